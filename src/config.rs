@@ -1,0 +1,441 @@
+//! The agent's config file: JSON, validated once at start. Every error names
+//! the file and the field.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
+pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
+pub const DEFAULT_MOUNT_ROOT: &str = "/var/lib/claimd/mounts";
+
+/// Deadline of one CSI call.
+pub const DEFAULT_CSI_CALL_TIMEOUT: Duration = crate::csi::DEFAULT_CALL_TIMEOUT;
+/// How long a mount waits for its node plugin to be ready (Nomad: 1 min).
+pub const DEFAULT_PLUGIN_WAIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Probe interval of a healthy plugin.
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a claim held by another allocation is retried.
+pub const DEFAULT_CLAIM_RETRY_DEADLINE: Duration = Duration::from_secs(3600);
+/// How long a release keeps retrying a failing volume.
+pub const DEFAULT_RELEASE_RETRY_DEADLINE: Duration = Duration::from_secs(24 * 3600);
+
+/// What a plugin socket serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PluginType {
+    Node,
+    Controller,
+    /// Node and (if it advertises CONTROLLER_SERVICE) controller on one socket.
+    Monolith,
+}
+
+impl PluginType {
+    pub fn serves_node(self) -> bool {
+        matches!(self, PluginType::Node | PluginType::Monolith)
+    }
+    pub fn serves_controller(self) -> bool {
+        matches!(self, PluginType::Controller | PluginType::Monolith)
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            PluginType::Node => "node",
+            PluginType::Controller => "controller",
+            PluginType::Monolith => "monolith",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PluginConfig {
+    pub id: String,
+    pub plugin_type: PluginType,
+    pub socket: PathBuf,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    pub csi_call: Duration,
+    pub plugin_wait: Duration,
+    pub probe_interval: Duration,
+    pub claim_retry_deadline: Duration,
+    pub release_retry_deadline: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            csi_call: DEFAULT_CSI_CALL_TIMEOUT,
+            plugin_wait: DEFAULT_PLUGIN_WAIT_TIMEOUT,
+            probe_interval: DEFAULT_PROBE_INTERVAL,
+            claim_retry_deadline: DEFAULT_CLAIM_RETRY_DEADLINE,
+            release_retry_deadline: DEFAULT_RELEASE_RETRY_DEADLINE,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub api_socket: PathBuf,
+    pub mount_root: PathBuf,
+    /// Where plugins drop their sockets (see README: plugin directory).
+    pub plugin_dir: Option<PathBuf>,
+    pub plugins: Vec<PluginConfig>,
+    /// This node's name in claims.
+    pub node_name: String,
+    pub timeouts: Timeouts,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            api_socket: PathBuf::from(DEFAULT_API_SOCKET),
+            mount_root: PathBuf::from(DEFAULT_MOUNT_ROOT),
+            plugin_dir: None,
+            plugins: Vec::new(),
+            node_name: local_hostname(),
+            timeouts: Timeouts::default(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    state_dir: Option<PathBuf>,
+    api_socket: Option<PathBuf>,
+    mount_root: Option<PathBuf>,
+    plugin_dir: Option<PathBuf>,
+    #[serde(default)]
+    plugins: Vec<RawPlugin>,
+    node_name: Option<String>,
+    csi_call_timeout: Option<String>,
+    plugin_wait_timeout: Option<String>,
+    probe_interval: Option<String>,
+    claim_retry_deadline: Option<String>,
+    release_retry_deadline: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlugin {
+    id: String,
+    #[serde(rename = "type")]
+    plugin_type: PluginType,
+    socket: PathBuf,
+}
+
+#[derive(Debug)]
+pub enum ConfigError {
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    Field {
+        path: PathBuf,
+        field: String,
+        problem: String,
+    },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Read { path, .. } => {
+                write!(f, "failed to read config file {}", path.display())
+            }
+            ConfigError::Parse { path, .. } => {
+                write!(f, "config file {} is not valid", path.display())
+            }
+            ConfigError::Field {
+                path,
+                field,
+                problem,
+            } => write!(
+                f,
+                "config file {}: field {field}: {problem}",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Read { source, .. } => Some(source),
+            ConfigError::Parse { source, .. } => Some(source),
+            ConfigError::Field { .. } => None,
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(path, &text)
+    }
+
+    /// Validates config text; `path` is only used in messages.
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let field_err = |field: &str, problem: String| ConfigError::Field {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            problem,
+        };
+        let abs =
+            |field: &str, p: Option<PathBuf>, default: &str| -> Result<PathBuf, ConfigError> {
+                let p = p.unwrap_or_else(|| PathBuf::from(default));
+                check_abs(&p).map_err(|problem| field_err(field, problem))?;
+                Ok(p)
+            };
+        let dur = |field: &str, v: Option<String>, default: Duration| match v {
+            None => Ok(default),
+            Some(s) => match parse_duration(&s) {
+                Ok(d) if d > Duration::ZERO => Ok(d),
+                Ok(_) => Err(field_err(field, "must be greater than zero".into())),
+                Err(e) => Err(field_err(field, e)),
+            },
+        };
+        let plugin_dir = match raw.plugin_dir {
+            None => None,
+            Some(p) => {
+                check_abs(&p).map_err(|e| field_err("plugin_dir", e))?;
+                Some(p)
+            }
+        };
+        let mut plugins = Vec::new();
+        let mut roles: HashSet<(String, &'static str)> = HashSet::new();
+        for (i, p) in raw.plugins.into_iter().enumerate() {
+            crate::ids::check_id("plugin", &p.id)
+                .map_err(|e| field_err(&format!("plugins[{i}].id"), e.to_string()))?;
+            check_abs(&p.socket).map_err(|e| field_err(&format!("plugins[{i}].socket"), e))?;
+            let mut claimed = Vec::new();
+            if p.plugin_type.serves_node() {
+                claimed.push("node");
+            }
+            if p.plugin_type.serves_controller() {
+                claimed.push("controller");
+            }
+            for role in claimed {
+                if !roles.insert((p.id.clone(), role)) {
+                    return Err(field_err(
+                        &format!("plugins[{i}].id"),
+                        format!(
+                            "duplicate plugin ID {:?}: another entry already serves its {role} side",
+                            p.id
+                        ),
+                    ));
+                }
+            }
+            plugins.push(PluginConfig {
+                id: p.id,
+                plugin_type: p.plugin_type,
+                socket: p.socket,
+            });
+        }
+        let node_name = raw.node_name.unwrap_or_else(local_hostname);
+        crate::ids::check_id("node", &node_name)
+            .map_err(|e| field_err("node_name", e.to_string()))?;
+        Ok(Config {
+            state_dir: abs("state_dir", raw.state_dir, DEFAULT_STATE_DIR)?,
+            api_socket: abs("api_socket", raw.api_socket, DEFAULT_API_SOCKET)?,
+            mount_root: abs("mount_root", raw.mount_root, DEFAULT_MOUNT_ROOT)?,
+            plugin_dir,
+            plugins,
+            node_name,
+            timeouts: Timeouts {
+                csi_call: dur(
+                    "csi_call_timeout",
+                    raw.csi_call_timeout,
+                    DEFAULT_CSI_CALL_TIMEOUT,
+                )?,
+                plugin_wait: dur(
+                    "plugin_wait_timeout",
+                    raw.plugin_wait_timeout,
+                    DEFAULT_PLUGIN_WAIT_TIMEOUT,
+                )?,
+                probe_interval: dur("probe_interval", raw.probe_interval, DEFAULT_PROBE_INTERVAL)?,
+                claim_retry_deadline: dur(
+                    "claim_retry_deadline",
+                    raw.claim_retry_deadline,
+                    DEFAULT_CLAIM_RETRY_DEADLINE,
+                )?,
+                release_retry_deadline: dur(
+                    "release_retry_deadline",
+                    raw.release_retry_deadline,
+                    DEFAULT_RELEASE_RETRY_DEADLINE,
+                )?,
+            },
+        })
+    }
+}
+
+fn check_abs(p: &Path) -> Result<(), String> {
+    if p.as_os_str().is_empty() {
+        return Err("must not be empty".into());
+    }
+    if !p.is_absolute() {
+        return Err(format!("{} is not an absolute path", p.display()));
+    }
+    if p.components().any(|c| c == std::path::Component::ParentDir) {
+        return Err(format!("{} must not contain ..", p.display()));
+    }
+    Ok(())
+}
+
+/// The kernel's host name, or "localhost" when it cannot be read.
+pub fn local_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| crate::ids::check_id("node", s).is_ok())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// Parses "250ms", "30s", "5m", "2h", "1d" (one number and one unit).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{s:?} has no unit (use ms, s, m, h or d)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 500ms, 30s, 5m, 2h"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        "d" => Duration::from_secs(n.saturating_mul(86400)),
+        _ => return Err(format!("{s:?} has an unknown unit (use ms, s, m, h or d)")),
+    };
+    Ok(d)
+}
+
+/// Formats a duration the way `parse_duration` reads it.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 86_400_000 == 0 && ms > 0 {
+        format!("{}d", ms / 86_400_000)
+    } else if ms % 3_600_000 == 0 && ms > 0 {
+        format!("{}h", ms / 3_600_000)
+    } else if ms % 60_000 == 0 && ms > 0 {
+        format!("{}m", ms / 60_000)
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("/etc/claimd/config.json"), text)
+    }
+
+    #[test]
+    fn empty_object_gives_defaults() {
+        let c = parse("{}").expect("valid");
+        assert_eq!(c.state_dir, PathBuf::from(DEFAULT_STATE_DIR));
+        assert_eq!(c.api_socket, PathBuf::from(DEFAULT_API_SOCKET));
+        assert_eq!(c.timeouts, Timeouts::default());
+        assert!(c.plugins.is_empty());
+    }
+
+    #[test]
+    fn full_config() {
+        let c = parse(
+            r#"{"state_dir":"/s","api_socket":"/r/a.sock","mount_root":"/m","plugin_dir":"/p",
+                "node_name":"edge-1",
+                "plugins":[{"id":"hostpath","type":"monolith","socket":"/p/h.sock"},
+                           {"id":"ebs","type":"node","socket":"/p/n.sock"},
+                           {"id":"ebs","type":"controller","socket":"/p/c.sock"}],
+                "csi_call_timeout":"5s","plugin_wait_timeout":"2m","probe_interval":"250ms",
+                "claim_retry_deadline":"1h","release_retry_deadline":"1d"}"#,
+        )
+        .expect("valid");
+        assert_eq!(c.plugins.len(), 3);
+        assert_eq!(c.plugins[2].plugin_type, PluginType::Controller);
+        assert_eq!(c.timeouts.csi_call, Duration::from_secs(5));
+        assert_eq!(c.timeouts.probe_interval, Duration::from_millis(250));
+        assert_eq!(
+            c.timeouts.release_retry_deadline,
+            Duration::from_secs(86400)
+        );
+        assert_eq!(c.node_name, "edge-1");
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let cases = [
+            (r#"{"bogus":1}"#, "bogus"),
+            (r#"{"plugins":[{"id":"a","type":"node"}]}"#, "socket"),
+            (
+                r#"{"plugins":[{"id":"a","type":"node","socket":"rel.sock"}]}"#,
+                "plugins[0].socket",
+            ),
+            (
+                r#"{"plugins":[{"id":"a","type":"node","socket":"/a"},{"id":"a","type":"monolith","socket":"/b"}]}"#,
+                "plugins[1].id",
+            ),
+            (
+                r#"{"plugins":[{"id":"../x","type":"node","socket":"/a"}]}"#,
+                "plugins[0].id",
+            ),
+            (
+                r#"{"plugins":[{"id":"a","type":"sidecar","socket":"/a"}]}"#,
+                "sidecar",
+            ),
+            (r#"{"state_dir":"var/lib"}"#, "state_dir"),
+            (r#"{"probe_interval":"soon"}"#, "probe_interval"),
+            (r#"{"probe_interval":"0s"}"#, "probe_interval"),
+        ];
+        for (text, needle) in cases {
+            let e = parse(text).expect_err(text);
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            assert!(msg.contains(needle), "{text}: {msg}");
+            assert!(msg.contains("/etc/claimd/config.json"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("3m"), Ok(Duration::from_secs(180)));
+        assert!(parse_duration("3").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("3x").is_err());
+        for d in ["250ms", "30s", "5m", "2h", "1d"] {
+            assert_eq!(format_duration(parse_duration(d).expect("valid")), d);
+        }
+    }
+}
