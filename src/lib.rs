@@ -2,10 +2,29 @@
 //! volumes for the allocations on a node, records every step durably, and
 //! converges after its own restarts, plugin restarts and crashes.
 
+pub mod agent;
+pub mod claims;
+pub mod cli;
 pub mod config;
 pub mod csi;
+pub mod hook;
 pub mod ids;
+pub mod mounts;
 pub mod plugins;
 pub mod retry;
 pub mod shutdown;
+pub mod state;
 pub mod threads;
+pub mod volumes;
+
+/// An error and its sources, joined with ": " (how errors are printed once).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}

@@ -1,1 +1,7 @@
-fn main() {}
+//! The `claimd` binary: parses nothing itself; see `claimd::cli`.
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    ExitCode::from(claimd::cli::run(std::env::args().collect()))
+}

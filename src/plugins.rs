@@ -525,7 +525,7 @@ impl Registry {
                             // Fingerprint afresh next round: the plugin may
                             // come back as a different process.
                             fingerprinted = None;
-                            let reason = error_chain(&e);
+                            let reason = crate::error_chain(&e);
                             self.update(id, ty, |s| {
                                 s.health = Health::Unhealthy;
                                 s.reason = reason;
@@ -624,17 +624,6 @@ fn socket_identity(path: &Path) -> Result<(u64, u64), String> {
         }
         Err(e) => Err(format!("socket {}: {e}", path.display())),
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
 }
 
 /// Plugin sockets found in the plugin directory (layout in the module doc).

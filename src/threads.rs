@@ -8,9 +8,10 @@ use crossbeam_channel::{Receiver, Sender};
 
 /// Owns a set of named threads.
 pub struct Threads {
-    handles: Vec<(String, JoinHandle<()>)>,
-    done_tx: Sender<String>,
-    done_rx: Receiver<String>,
+    next_id: u64,
+    handles: Vec<(u64, String, JoinHandle<()>)>,
+    done_tx: Sender<u64>,
+    done_rx: Receiver<u64>,
 }
 
 impl Default for Threads {
@@ -23,10 +24,35 @@ impl Threads {
     pub fn new() -> Threads {
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
         Threads {
+            next_id: 0,
             handles: Vec::new(),
             done_tx,
             done_rx,
         }
+    }
+
+    fn join_id(&mut self, id: u64) {
+        if let Some(i) = self.handles.iter().position(|(n, _, _)| *n == id) {
+            let (_, _, h) = self.handles.swap_remove(i);
+            let _ = h.join();
+        }
+    }
+
+    /// Joins the threads that have already ended, so a long-lived owner
+    /// does not accumulate handles.
+    pub fn reap(&mut self) {
+        while let Ok(id) = self.done_rx.try_recv() {
+            self.join_id(id);
+        }
+    }
+
+    /// Threads not yet joined.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
     }
 
     /// Spawns a named thread. A panic inside it is logged with the name.
@@ -35,58 +61,54 @@ impl Threads {
         name: impl Into<String>,
         f: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<()> {
+        self.reap();
         let name = name.into();
-        let handle = spawn_named(name.clone(), f, Some(self.done_tx.clone()))?;
-        self.handles.push((name, handle));
+        let id = self.next_id;
+        self.next_id += 1;
+        let done = self.done_tx.clone();
+        let handle = spawn_named(name.clone(), f, move || {
+            let _ = done.send(id);
+        })?;
+        self.handles.push((id, name, handle));
         Ok(())
     }
 
     /// Joins every thread that finishes before `deadline`; returns the names
     /// of those still running (they are detached).
-    pub fn join_until(self, deadline: Instant) -> Vec<String> {
-        let Threads {
-            mut handles,
-            done_tx,
-            done_rx,
-        } = self;
-        drop(done_tx);
-        while !handles.is_empty() {
+    pub fn join_until(mut self, deadline: Instant) -> Vec<String> {
+        self.reap();
+        while !self.handles.is_empty() {
             let wait = deadline.saturating_duration_since(Instant::now());
-            match done_rx.recv_timeout(wait) {
-                Ok(name) => {
-                    if let Some(i) = handles.iter().position(|(n, _)| *n == name) {
-                        let (_, h) = handles.swap_remove(i);
-                        let _ = h.join();
-                    }
-                }
+            match self.done_rx.recv_timeout(wait) {
+                Ok(id) => self.join_id(id),
                 Err(_) => break,
             }
         }
-        handles.into_iter().map(|(n, _)| n).collect()
+        self.handles.into_iter().map(|(_, n, _)| n).collect()
     }
 }
 
-/// Spawns a named thread that reports its name on `done` when it ends,
-/// even by panic.
+/// Spawns a named thread; `on_exit` runs when it ends, even by panic (a
+/// panic is logged with the thread's name).
 pub fn spawn_named(
     name: String,
     f: impl FnOnce() + Send + 'static,
-    done: Option<Sender<String>>,
+    on_exit: impl FnOnce() + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
-    struct Report(Option<(String, Sender<String>)>);
-    impl Drop for Report {
+    struct OnExit<F: FnOnce()>(Option<F>, String);
+    impl<F: FnOnce()> Drop for OnExit<F> {
         fn drop(&mut self) {
-            if let Some((name, tx)) = self.0.take() {
-                if std::thread::panicking() {
-                    log::error!("thread {name} panicked");
-                }
-                let _ = tx.send(name);
+            if std::thread::panicking() {
+                log::error!("thread {} panicked", self.1);
+            }
+            if let Some(f) = self.0.take() {
+                f();
             }
         }
     }
-    let report_name = name.clone();
+    let guard_name = name.clone();
     std::thread::Builder::new().name(name).spawn(move || {
-        let _report = Report(done.map(|tx| (report_name, tx)));
+        let _guard = OnExit(Some(on_exit), guard_name);
         f();
     })
 }
@@ -108,5 +130,32 @@ mod tests {
         let left = t.join_until(Instant::now() + Duration::from_millis(200));
         assert_eq!(left, vec!["stuck".to_string()]);
         drop(stop_tx);
+    }
+
+    #[test]
+    fn reap_joins_finished_threads_with_the_same_name() {
+        let mut t = Threads::new();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+        t.spawn("w", move || {
+            let _ = stop_rx.recv();
+        })
+        .expect("spawn");
+        let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+        t.spawn("w", move || {
+            let _ = done_tx.send(());
+        })
+        .expect("spawn");
+        done_rx.recv().expect("second thread ran");
+        // Reaping must join only the finished one, never block on the other.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t.len() > 1 && Instant::now() < deadline {
+            t.reap();
+            std::thread::yield_now();
+        }
+        assert_eq!(t.len(), 1);
+        drop(stop_tx);
+        assert!(t
+            .join_until(Instant::now() + Duration::from_secs(5))
+            .is_empty());
     }
 }

@@ -1,0 +1,164 @@
+//! The agent process: state, plugins, the lifecycle manager, restore, and a
+//! graceful stop bounded by the longest CSI deadline.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::claims::EmbeddedClaims;
+use crate::config::Config;
+use crate::hook::{Manager, ManagerOptions};
+use crate::plugins::{Registry, RegistryOptions};
+use crate::shutdown::Shutdown;
+use crate::state::{StateError, StateStore};
+
+/// How long `--dev` waits for its own releases on stop before giving up.
+pub const DEV_RELEASE_DEADLINE: Duration = Duration::from_secs(10);
+/// Slack on top of the CSI call deadline for threads to finish on stop.
+pub const STOP_SLACK: Duration = Duration::from_millis(500);
+
+#[derive(Debug)]
+pub enum AgentError {
+    State(StateError),
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+impl fmt::Display for AgentError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AgentError::State(e) => e.fmt(f),
+            AgentError::Io { what, .. } => f.write_str(what),
+        }
+    }
+}
+
+impl std::error::Error for AgentError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AgentError::State(e) => e.source(),
+            AgentError::Io { source, .. } => Some(source),
+        }
+    }
+}
+
+impl From<StateError> for AgentError {
+    fn from(e: StateError) -> Self {
+        AgentError::State(e)
+    }
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> AgentError {
+    let what = what.into();
+    move |source| AgentError::Io { what, source }
+}
+
+/// A running agent (without its signal handling), so tests and the binary
+/// share one start-up path.
+pub struct Agent {
+    pub config: Config,
+    pub shutdown: Shutdown,
+    pub manager: Manager,
+    pub registry: Registry,
+    pub dev: bool,
+}
+
+impl Agent {
+    /// Opens the state, starts the plugin registry and restores every
+    /// recorded allocation.
+    pub fn start(config: Config, dev: bool, shutdown: Shutdown) -> Result<Agent, AgentError> {
+        std::fs::create_dir_all(&config.mount_root).map_err(io_err(format!(
+            "failed to create mount root {}",
+            config.mount_root.display()
+        )))?;
+        let store = Arc::new(StateStore::open(&config.state_dir)?);
+        log::info!(
+            "state file {} loaded ({} allocation(s), {} volume(s), {} claim(s))",
+            store.path().display(),
+            store.read(|s| s.allocs.len()),
+            store.read(|s| s.volumes.len()),
+            store.read(|s| s.claims.len()),
+        );
+        let env = crate::csi::grpc_environment("grpc-cq");
+        let registry = Registry::start(
+            env,
+            &config.plugins,
+            RegistryOptions {
+                call_timeout: config.timeouts.csi_call,
+                probe_interval: config.timeouts.probe_interval,
+                plugin_dir: config.plugin_dir.clone(),
+            },
+            shutdown.clone(),
+        )
+        .map_err(io_err("failed to start the plugin registry"))?;
+        let claims = Arc::new(EmbeddedClaims::new(store.clone()));
+        let mut opts = ManagerOptions::new(&config.mount_root, &config.node_name);
+        opts.plugin_wait = config.timeouts.plugin_wait;
+        opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
+        opts.release_retry_deadline = config.timeouts.release_retry_deadline;
+        let manager = Manager::new(store, claims, registry.clone(), opts, shutdown.clone());
+        let report = manager.restore();
+        for e in &report.errors {
+            log::error!("restore: {e}");
+        }
+        Ok(Agent {
+            config,
+            shutdown,
+            manager,
+            registry,
+            dev,
+        })
+    }
+
+    /// Stops: in dev mode releases everything first (bounded), then stops
+    /// every loop and joins the threads within the CSI deadline plus slack.
+    pub fn stop(self) {
+        if self.dev {
+            let allocs: Vec<String> = self
+                .manager
+                .store()
+                .read(|s| s.allocs.keys().cloned().collect());
+            if !allocs.is_empty() {
+                log::info!(
+                    "dev mode: releasing {} allocation(s) before exit",
+                    allocs.len()
+                );
+            }
+            let deadline = Instant::now() + DEV_RELEASE_DEADLINE;
+            for a in &allocs {
+                if let Err(e) = self.manager.release(a) {
+                    log::warn!("dev mode: release of {a}: {}", crate::error_chain(&e));
+                }
+            }
+            for a in &allocs {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !self.manager.wait_released(a, left) {
+                    log::warn!(
+                        "dev mode: allocation {a} not released before the deadline; leaving it"
+                    );
+                }
+            }
+        }
+        self.shutdown.trigger();
+        let deadline = Instant::now() + self.config.timeouts.csi_call + STOP_SLACK;
+        let mut left = self.manager.join(deadline);
+        left.extend(self.registry.join(deadline));
+        if !left.is_empty() {
+            log::warn!("threads still running at exit: {}", left.join(", "));
+        }
+        log::info!("stopped");
+    }
+}
+
+/// A throwaway directory for `--dev`.
+pub fn dev_dir() -> Result<PathBuf, AgentError> {
+    let base = std::env::temp_dir().join(format!("claimd-dev-{}", std::process::id()));
+    std::fs::create_dir_all(&base).map_err(io_err(format!(
+        "failed to create dev directory {}",
+        base.display()
+    )))?;
+    Ok(base)
+}

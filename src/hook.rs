@@ -1,0 +1,1635 @@
+//! The allocation lifecycle: mount, release and restore.
+//!
+//! Every step of a volume runs under that volume's lock (one CSI operation
+//! in flight per volume; unrelated volumes proceed in parallel), re-reads
+//! the record, decides, makes its in-flight phase durable, and only then
+//! sends the CSI call. No lock of the state is held across a call. Backoff
+//! waits happen outside the volume lock.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::claims::{ClaimError, ClaimMode, ClaimRequest, ClaimStore};
+use crate::csi::{self, CsiError};
+use crate::mounts::MountTable;
+use crate::plugins::{PluginKind, PluginSnapshot, Registry, WaitError};
+use crate::retry::{Backoff, BackoffPolicy, Interrupted};
+use crate::shutdown::Shutdown;
+use crate::state::{AllocRecord, AllocVolume, Phase, StateError, StateFile, StateStore};
+use crate::threads::Threads;
+use crate::volumes::{
+    validate_requests, volume_capability, AttachmentMode, Paths, SpecError, Usage, VolumeRequest,
+    VolumeSpec,
+};
+
+/// Claim retries (held by another allocation): Nomad's 2 s doubling to a
+/// minute, started a little sooner.
+pub const CLAIM_BACKOFF: BackoffPolicy =
+    BackoffPolicy::new(Duration::from_secs(1), Duration::from_secs(60));
+/// Retries of CSI calls (kubelet: 500 ms doubling to ~2 min).
+pub const CSI_BACKOFF: BackoffPolicy =
+    BackoffPolicy::new(Duration::from_millis(500), Duration::from_secs(60));
+/// How long a mount keeps retrying retryable CSI errors.
+pub const MOUNT_RETRY_DEADLINE: Duration = Duration::from_secs(120);
+/// How long a failed mount waits for its own rollback before answering.
+pub const ROLLBACK_WAIT: Duration = Duration::from_secs(30);
+/// Longest single wait for a plugin inside a release retry loop; the loop
+/// itself is bounded by the release deadline.
+const RELEASE_PLUGIN_WAIT_SLICE: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Debug)]
+pub struct ManagerOptions {
+    pub mount_root: PathBuf,
+    pub node_name: String,
+    pub plugin_wait: Duration,
+    pub claim_retry_deadline: Duration,
+    pub claim_backoff: BackoffPolicy,
+    pub mount_retry_deadline: Duration,
+    pub release_retry_deadline: Duration,
+    pub csi_backoff: BackoffPolicy,
+}
+
+impl ManagerOptions {
+    pub fn new(mount_root: &Path, node_name: &str) -> ManagerOptions {
+        ManagerOptions {
+            mount_root: mount_root.to_path_buf(),
+            node_name: node_name.to_string(),
+            plugin_wait: crate::config::DEFAULT_PLUGIN_WAIT_TIMEOUT,
+            claim_retry_deadline: crate::config::DEFAULT_CLAIM_RETRY_DEADLINE,
+            claim_backoff: CLAIM_BACKOFF,
+            mount_retry_deadline: MOUNT_RETRY_DEADLINE,
+            release_retry_deadline: crate::config::DEFAULT_RELEASE_RETRY_DEADLINE,
+            csi_backoff: CSI_BACKOFF,
+        }
+    }
+}
+
+/// A mounted volume as handed to the workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountedVolume {
+    pub alias: String,
+    pub volume_id: String,
+    pub host_path: PathBuf,
+    pub read_only: bool,
+    pub block: bool,
+}
+
+#[derive(Debug)]
+pub enum MountError {
+    Invalid(SpecError),
+    UnknownVolume {
+        volume_id: String,
+    },
+    /// The allocation is being mounted, restored or released already, or
+    /// holds other volumes.
+    Busy {
+        alloc_id: String,
+        why: String,
+    },
+    Plugin {
+        alias: String,
+        source: WaitError,
+    },
+    Claim {
+        alias: String,
+        source: ClaimError,
+    },
+    Csi {
+        alias: String,
+        source: CsiError,
+    },
+    State(StateError),
+    Shutdown,
+}
+
+impl fmt::Display for MountError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MountError::Invalid(e) => e.fmt(f),
+            MountError::UnknownVolume { volume_id } => {
+                write!(f, "volume {volume_id} is not registered")
+            }
+            MountError::Busy { alloc_id, why } => write!(f, "allocation {alloc_id} {why}"),
+            MountError::Plugin { alias, .. } => write!(f, "volume {alias} could not be mounted"),
+            MountError::Claim { alias, .. } => write!(f, "volume {alias} could not be claimed"),
+            MountError::Csi { alias, .. } => write!(f, "volume {alias} could not be mounted"),
+            MountError::State(_) => write!(f, "the mount could not be recorded"),
+            MountError::Shutdown => write!(f, "the agent is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for MountError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            MountError::Plugin { source, .. } => Some(source),
+            MountError::Claim { source, .. } => Some(source),
+            MountError::Csi { source, .. } => Some(source),
+            MountError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for MountError {
+    fn from(e: StateError) -> Self {
+        MountError::State(e)
+    }
+}
+
+impl From<SpecError> for MountError {
+    fn from(e: SpecError) -> Self {
+        MountError::Invalid(e)
+    }
+}
+
+/// Where one volume of a release stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseState {
+    InProgress,
+    /// Failing and retrying; `error` is the last failure.
+    Retrying {
+        error: String,
+        attempts: u32,
+    },
+    Released,
+    /// Gave up at the release deadline (or the agent stopped); the record
+    /// and the claim are kept and a restart resumes.
+    Stopped {
+        error: String,
+    },
+}
+
+impl ReleaseState {
+    pub fn is_final(&self) -> bool {
+        matches!(self, ReleaseState::Released | ReleaseState::Stopped { .. })
+    }
+}
+
+/// Outcome of asking for a release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseStart {
+    /// Workers run (or were already running).
+    Started,
+    /// Nothing is recorded for this allocation: already released.
+    NotFound,
+}
+
+/// One volume in a status answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeStatus {
+    pub alias: String,
+    pub volume_id: String,
+    pub plugin_id: String,
+    pub phase: Option<Phase>,
+    pub host_path: PathBuf,
+    pub read_only: bool,
+    pub attachment: AttachmentMode,
+    pub release: Option<ReleaseState>,
+    /// What a running mount or restore is waiting on, if anything.
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocStatus {
+    pub id: String,
+    pub releasing: bool,
+    pub volumes: Vec<VolumeStatus>,
+}
+
+/// Per-volume locks: one CSI operation in flight per volume.
+#[derive(Default)]
+struct VolumeLocks {
+    locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+}
+
+impl VolumeLocks {
+    fn get(&self, volume_id: &str) -> Arc<Mutex<()>> {
+        self.locks
+            .lock()
+            .entry(volume_id.to_string())
+            .or_default()
+            .clone()
+    }
+}
+
+/// In-memory progress that is not worth a durable write.
+#[derive(Default)]
+struct Progress {
+    /// (alloc, alias) -> release state of the latest release.
+    releases: HashMap<(String, String), ReleaseState>,
+    /// Release workers running.
+    active: HashSet<(String, String)>,
+    /// Allocations with a mount or restore running.
+    mounting: HashSet<String>,
+    /// (alloc, alias) -> what a mount is waiting on.
+    messages: HashMap<(String, String), String>,
+}
+
+/// Outcome of one step of a volume.
+enum Step {
+    /// Go on with the next step at once.
+    Next,
+    Done,
+    /// A transient failure: back off, then try again.
+    Retry(String, Option<CsiError>),
+    /// Retrying cannot help.
+    Fail(MountError),
+}
+
+struct Inner {
+    store: Arc<StateStore>,
+    claims: Arc<dyn ClaimStore>,
+    registry: Registry,
+    paths: Paths,
+    opts: ManagerOptions,
+    shutdown: Shutdown,
+    locks: VolumeLocks,
+    progress: Mutex<Progress>,
+    progress_changed: Condvar,
+    workers: Mutex<Option<Threads>>,
+}
+
+/// The allocation lifecycle manager. Cheap to clone.
+#[derive(Clone)]
+pub struct Manager {
+    inner: Arc<Inner>,
+}
+
+type Key = (String, String);
+
+fn key(alloc: &str, alias: &str) -> Key {
+    (alloc.to_string(), alias.to_string())
+}
+
+impl Manager {
+    pub fn new(
+        store: Arc<StateStore>,
+        claims: Arc<dyn ClaimStore>,
+        registry: Registry,
+        opts: ManagerOptions,
+        shutdown: Shutdown,
+    ) -> Manager {
+        let m = Manager {
+            inner: Arc::new(Inner {
+                store,
+                claims,
+                registry,
+                paths: Paths::new(&opts.mount_root),
+                opts,
+                shutdown: shutdown.clone(),
+                locks: VolumeLocks::default(),
+                progress: Mutex::new(Progress::default()),
+                progress_changed: Condvar::new(),
+                workers: Mutex::new(Some(Threads::new())),
+            }),
+        };
+        let weak = Arc::downgrade(&m.inner);
+        shutdown.on_trigger(move || {
+            if let Some(inner) = weak.upgrade() {
+                let _g = inner.progress.lock();
+                inner.progress_changed.notify_all();
+            }
+        });
+        m
+    }
+
+    pub fn store(&self) -> &Arc<StateStore> {
+        &self.inner.store
+    }
+
+    pub fn claims(&self) -> &Arc<dyn ClaimStore> {
+        &self.inner.claims
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    pub fn paths(&self) -> &Paths {
+        &self.inner.paths
+    }
+
+    // ---- volumes --------------------------------------------------------
+
+    /// Registers (or replaces, while unclaimed) a volume.
+    pub fn register_volume(&self, spec: VolumeSpec) -> Result<(), VolumeRegistryError> {
+        spec.validate().map_err(VolumeRegistryError::Invalid)?;
+        self.inner.store.update(|s| {
+            if let Some(old) = s.volumes.get(&spec.id) {
+                if *old != spec {
+                    if let Some(c) = s.claims.iter().find(|c| c.volume_id == spec.id) {
+                        return Err(VolumeRegistryError::InUse {
+                            volume_id: spec.id.clone(),
+                            holder: c.alloc_id.clone(),
+                        });
+                    }
+                }
+            }
+            s.volumes.insert(spec.id.clone(), spec);
+            Ok(())
+        })
+    }
+
+    /// Deregisters a volume no allocation uses.
+    pub fn deregister_volume(&self, id: &str) -> Result<bool, VolumeRegistryError> {
+        crate::ids::check_id("volume", id)
+            .map_err(|e| VolumeRegistryError::Invalid(SpecError::Id(e)))?;
+        self.inner.store.update(|s| {
+            if let Some(c) = s.claims.iter().find(|c| c.volume_id == id) {
+                return Err(VolumeRegistryError::InUse {
+                    volume_id: id.to_string(),
+                    holder: c.alloc_id.clone(),
+                });
+            }
+            if let Some((a, _)) = s.alloc_volumes().find(|(_, v)| v.volume_id == id) {
+                return Err(VolumeRegistryError::InUse {
+                    volume_id: id.to_string(),
+                    holder: a.id.clone(),
+                });
+            }
+            Ok(s.volumes.remove(id).is_some())
+        })
+    }
+
+    pub fn list_volumes(&self) -> Vec<VolumeSpec> {
+        self.inner
+            .store
+            .read(|s| s.volumes.values().cloned().collect())
+    }
+
+    // ---- mount ----------------------------------------------------------
+
+    /// Mounts every requested volume for `alloc_id` and answers with the
+    /// host paths; on failure, rolls back what it did so nothing stays
+    /// half-claimed. Mounting an allocation again with the same requests
+    /// finishes what is unfinished and answers the same paths.
+    pub fn mount(
+        &self,
+        alloc_id: &str,
+        reqs: &[VolumeRequest],
+    ) -> Result<Vec<MountedVolume>, MountError> {
+        validate_requests(alloc_id, reqs)?;
+        let _guard = self.begin_mount(alloc_id)?;
+        // Resolve and record every volume in phase `claiming`, in one
+        // durable write, before any claim or call.
+        let created = self.inner.store.update(|s| -> Result<bool, MountError> {
+            let mut wanted = BTreeMap::new();
+            for r in reqs {
+                let spec =
+                    s.volumes
+                        .get(&r.volume_id)
+                        .ok_or_else(|| MountError::UnknownVolume {
+                            volume_id: r.volume_id.clone(),
+                        })?;
+                let usage = r.resolve(spec)?;
+                wanted.insert(r.alias.clone(), self.new_record(alloc_id, r, spec, usage));
+            }
+            if let Some(existing) = s.allocs.get(alloc_id) {
+                if existing.releasing {
+                    return Err(MountError::Busy {
+                        alloc_id: alloc_id.to_string(),
+                        why: "is being released".to_string(),
+                    });
+                }
+                let same = existing.volumes.len() == wanted.len()
+                    && wanted.iter().all(|(alias, w)| {
+                        existing
+                            .volumes
+                            .get(alias)
+                            .is_some_and(|v| v.volume_id == w.volume_id && v.usage == w.usage)
+                    });
+                if !same {
+                    return Err(MountError::Busy {
+                        alloc_id: alloc_id.to_string(),
+                        why: "already has other volumes mounted; release it first".to_string(),
+                    });
+                }
+                return Ok(false);
+            }
+            s.allocs.insert(
+                alloc_id.to_string(),
+                AllocRecord {
+                    id: alloc_id.to_string(),
+                    releasing: false,
+                    volumes: wanted,
+                },
+            );
+            Ok(true)
+        })?;
+        if created {
+            log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
+        }
+        let deadline = Instant::now() + self.inner.opts.mount_retry_deadline;
+        for r in reqs {
+            if let Err(e) = self.mount_volume(alloc_id, &r.alias, deadline) {
+                if matches!(e, MountError::Shutdown) {
+                    // A graceful stop unmounts nothing: the next start
+                    // finishes this mount from the state file.
+                    return Err(e);
+                }
+                log::warn!(
+                    "mount of allocation {alloc_id} failed ({}); rolling back",
+                    crate::error_chain(&e)
+                );
+                self.rollback(alloc_id);
+                return Err(e);
+            }
+        }
+        Ok(self.mounted(alloc_id))
+    }
+
+    fn new_record(
+        &self,
+        alloc_id: &str,
+        r: &VolumeRequest,
+        spec: &VolumeSpec,
+        usage: Usage,
+    ) -> AllocVolume {
+        AllocVolume {
+            alias: r.alias.clone(),
+            volume_id: spec.id.clone(),
+            plugin_id: spec.plugin_id.clone(),
+            external_volume_id: spec.external_id.clone(),
+            external_node_id: None,
+            usage,
+            mount_flags: r.mount_flags.clone(),
+            staging_path: None,
+            target_path: self.inner.paths.target(alloc_id, &spec.id, &usage),
+            publish_context: BTreeMap::new(),
+            holds_attachment: false,
+            holds_staging: false,
+            phase: Phase::Claiming,
+        }
+    }
+
+    /// The host paths of a mounted allocation.
+    pub fn mounted(&self, alloc_id: &str) -> Vec<MountedVolume> {
+        self.inner.store.read(|s| {
+            s.allocs
+                .get(alloc_id)
+                .map(|a| {
+                    a.volumes
+                        .values()
+                        .filter(|v| v.phase == Phase::Published)
+                        .map(|v| MountedVolume {
+                            alias: v.alias.clone(),
+                            volume_id: v.volume_id.clone(),
+                            host_path: v.target_path.clone(),
+                            read_only: v.usage.read_only,
+                            block: v.usage.attachment == AttachmentMode::BlockDevice,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+    }
+
+    fn begin_mount(&self, alloc_id: &str) -> Result<MountGuard, MountError> {
+        let mut p = self.inner.progress.lock();
+        if !p.mounting.insert(alloc_id.to_string()) {
+            return Err(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: "is being mounted or restored already".to_string(),
+            });
+        }
+        if p.active.iter().any(|(a, _)| a == alloc_id) {
+            p.mounting.remove(alloc_id);
+            return Err(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: "is being released".to_string(),
+            });
+        }
+        Ok(MountGuard {
+            manager: self.clone(),
+            alloc_id: alloc_id.to_string(),
+        })
+    }
+
+    fn set_message(&self, alloc_id: &str, alias: &str, msg: Option<String>) {
+        let mut p = self.inner.progress.lock();
+        match msg {
+            Some(m) => p.messages.insert(key(alloc_id, alias), m),
+            None => p.messages.remove(&key(alloc_id, alias)),
+        };
+    }
+
+    fn record(&self, alloc_id: &str, alias: &str) -> Option<AllocVolume> {
+        self.inner
+            .store
+            .read(|s| s.volume(alloc_id, alias).cloned())
+    }
+
+    fn spec(&self, volume_id: &str) -> Option<VolumeSpec> {
+        self.inner.store.read(|s| s.volumes.get(volume_id).cloned())
+    }
+
+    /// Takes one volume from wherever it stands to `published`.
+    fn mount_volume(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        deadline: Instant,
+    ) -> Result<(), MountError> {
+        let result = self.mount_volume_inner(alloc_id, alias, deadline);
+        self.set_message(alloc_id, alias, None);
+        result
+    }
+
+    fn mount_volume_inner(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        deadline: Instant,
+    ) -> Result<(), MountError> {
+        let rec = self
+            .record(alloc_id, alias)
+            .ok_or_else(|| MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: format!("no longer records volume {alias}"),
+            })?;
+        if rec.phase == Phase::Published {
+            return Ok(());
+        }
+        // 1. The node plugin must be ready before anything else.
+        self.set_message(
+            alloc_id,
+            alias,
+            Some(format!("waiting for node plugin {}", rec.plugin_id)),
+        );
+        let node = self
+            .inner
+            .registry
+            .wait_for_plugin(
+                &rec.plugin_id,
+                PluginKind::Node,
+                self.inner.opts.plugin_wait,
+            )
+            .map_err(|source| MountError::Plugin {
+                alias: alias.to_string(),
+                source,
+            })?;
+        let controller = self.controller_for(&rec.plugin_id, alias)?;
+        // 2. The claim, retrying while another allocation holds it.
+        if rec.phase == Phase::Claiming {
+            self.take_claim(alloc_id, &rec)?;
+            self.enter_first_phase(alloc_id, alias, &node, controller.as_ref())?;
+        }
+        // 3. Controller publish, stage, publish.
+        let mut backoff = Backoff::new(self.inner.opts.csi_backoff, deadline);
+        loop {
+            if self.inner.shutdown.is_triggered() {
+                return Err(MountError::Shutdown);
+            }
+            match self.mount_step(alloc_id, alias, &node, controller.as_ref()) {
+                Step::Next => continue,
+                Step::Done => return Ok(()),
+                Step::Fail(e) => return Err(e),
+                Step::Retry(msg, err) => {
+                    log::warn!("mount of {alloc_id}/{alias}: {msg} (retrying)");
+                    self.set_message(alloc_id, alias, Some(format!("{msg} (retrying)")));
+                    if let Err(why) = backoff.wait(&self.inner.shutdown) {
+                        return Err(match (why, err) {
+                            (Interrupted::Shutdown, _) => MountError::Shutdown,
+                            (Interrupted::Deadline, Some(source)) => MountError::Csi {
+                                alias: alias.to_string(),
+                                source,
+                            },
+                            (Interrupted::Deadline, None) => MountError::Busy {
+                                alloc_id: alloc_id.to_string(),
+                                why: msg,
+                            },
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// The ready controller side of a plugin, when the plugin has one with
+    /// PUBLISH_UNPUBLISH_VOLUME.
+    fn controller_for(
+        &self,
+        plugin_id: &str,
+        alias: &str,
+    ) -> Result<Option<PluginSnapshot>, MountError> {
+        let reg = &self.inner.registry;
+        if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
+            return Ok(None);
+        }
+        let c = reg
+            .wait_for_plugin(
+                plugin_id,
+                PluginKind::Controller,
+                self.inner.opts.plugin_wait,
+            )
+            .map_err(|source| MountError::Plugin {
+                alias: alias.to_string(),
+                source,
+            })?;
+        let publishes = c
+            .controller_capabilities
+            .as_ref()
+            .is_some_and(|caps| caps.publish_unpublish_volume);
+        Ok(publishes.then_some(c))
+    }
+
+    fn take_claim(&self, alloc_id: &str, rec: &AllocVolume) -> Result<(), MountError> {
+        let req = ClaimRequest {
+            volume_id: rec.volume_id.clone(),
+            alloc_id: alloc_id.to_string(),
+            node: self.inner.opts.node_name.clone(),
+            mode: if rec.usage.read_only {
+                ClaimMode::Read
+            } else {
+                ClaimMode::Write
+            },
+            access_mode: rec.usage.access_mode,
+        };
+        let deadline = Instant::now() + self.inner.opts.claim_retry_deadline;
+        let mut backoff = Backoff::new(self.inner.opts.claim_backoff, deadline);
+        loop {
+            match self.inner.claims.claim(&req) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_retryable() => {
+                    let msg = format!("{e} (retrying)");
+                    log::info!("allocation {alloc_id}: {msg}");
+                    self.set_message(alloc_id, &rec.alias, Some(msg));
+                    match backoff.wait(&self.inner.shutdown) {
+                        Ok(()) => {}
+                        Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
+                        Err(Interrupted::Deadline) => {
+                            return Err(MountError::Claim {
+                                alias: rec.alias.clone(),
+                                source: e,
+                            })
+                        }
+                    }
+                }
+                Err(e) => {
+                    return Err(MountError::Claim {
+                        alias: rec.alias.clone(),
+                        source: e,
+                    })
+                }
+            }
+        }
+    }
+
+    /// After the claim: decide which calls this volume needs and record the
+    /// first in-flight phase.
+    fn enter_first_phase(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        node: &PluginSnapshot,
+        controller: Option<&PluginSnapshot>,
+    ) -> Result<(), MountError> {
+        let stage = node
+            .node_capabilities
+            .as_ref()
+            .is_some_and(|c| c.stage_unstage_volume);
+        let node_id = node.node_id().unwrap_or_default().to_string();
+        let paths = self.inner.paths.clone();
+        let lock = self.inner.locks.get(&self.volume_of(alloc_id, alias));
+        let _g = lock.lock();
+        self.inner.store.update(|s| -> Result<(), MountError> {
+            let v = s
+                .volume_mut(alloc_id, alias)
+                .ok_or_else(|| MountError::Busy {
+                    alloc_id: alloc_id.to_string(),
+                    why: format!("no longer records volume {alias}"),
+                })?;
+            if v.phase != Phase::Claiming {
+                return Ok(());
+            }
+            v.staging_path = stage.then(|| paths.staging(&v.plugin_id, &v.volume_id, &v.usage));
+            if controller.is_some() {
+                v.external_node_id = Some(node_id.clone());
+                v.holds_attachment = true;
+                v.phase = Phase::ControllerPublishing;
+            } else if stage {
+                v.holds_staging = true;
+                v.phase = Phase::Staging;
+            } else {
+                v.phase = Phase::Publishing;
+            }
+            Ok(())
+        })
+    }
+
+    fn volume_of(&self, alloc_id: &str, alias: &str) -> String {
+        self.record(alloc_id, alias)
+            .map(|v| v.volume_id)
+            .unwrap_or_default()
+    }
+
+    /// One step up, under the volume's lock.
+    fn mount_step(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        node: &PluginSnapshot,
+        controller: Option<&PluginSnapshot>,
+    ) -> Step {
+        let Some(rec) = self.record(alloc_id, alias) else {
+            return Step::Fail(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: format!("no longer records volume {alias}"),
+            });
+        };
+        let lock = self.inner.locks.get(&rec.volume_id);
+        let _g = lock.lock();
+        // Re-read under the lock.
+        let Some(rec) = self.record(alloc_id, alias) else {
+            return Step::Next;
+        };
+        let Some(spec) = self.spec(&rec.volume_id) else {
+            return Step::Fail(MountError::UnknownVolume {
+                volume_id: rec.volume_id,
+            });
+        };
+        let me = (alloc_id, alias);
+        match rec.phase {
+            Phase::Published => Step::Done,
+            Phase::Claiming => Step::Fail(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: format!("volume {alias} is not claimed yet"),
+            }),
+            p if p.is_teardown() => Step::Fail(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: "is being released".to_string(),
+            }),
+            Phase::ControllerPublishing => {
+                // Already attached to this node for another allocation?
+                let shared = self.inner.store.read(|s| {
+                    s.attachment_users(&rec.volume_id, me)
+                        .into_iter()
+                        .find(|o| {
+                            attachment_established(o.phase)
+                                && o.external_node_id == rec.external_node_id
+                        })
+                        .map(|o| o.publish_context.clone())
+                });
+                let ctx = match shared {
+                    Some(ctx) => ctx,
+                    None => {
+                        let Some(c) = controller else {
+                            return Step::Retry(
+                                format!("controller plugin {} is not available", rec.plugin_id),
+                                None,
+                            );
+                        };
+                        let req = controller_publish_request(&rec, &spec, c);
+                        match c.client.controller_publish_volume(&req) {
+                            Ok(ctx) => ctx,
+                            Err(e) => return classify_up(alias, e),
+                        }
+                    }
+                };
+                let node_id = rec.external_node_id.clone().unwrap_or_default();
+                if let Err(e) =
+                    self.inner
+                        .claims
+                        .record_attachment(&rec.volume_id, alloc_id, &node_id, &ctx)
+                {
+                    return Step::Retry(crate::error_chain(&e), None);
+                }
+                let stage = rec.staging_path.is_some();
+                self.advance(alloc_id, alias, |v| {
+                    v.publish_context = ctx;
+                    if stage {
+                        v.holds_staging = true;
+                        v.phase = Phase::Staging;
+                    } else {
+                        v.phase = Phase::Publishing;
+                    }
+                })
+            }
+            Phase::Staging => {
+                let staging = rec.staging_path.clone().unwrap_or_default();
+                let shared = self.inner.store.read(|s| {
+                    s.alloc_volumes().any(|(a, o)| {
+                        (a.id.as_str(), o.alias.as_str()) != me
+                            && o.holds_staging
+                            && o.staging_path.as_deref() == Some(staging.as_path())
+                            && staging_established(o.phase)
+                    })
+                });
+                if !shared {
+                    if let Err(e) = create_dir(&staging) {
+                        return Step::Retry(e, None);
+                    }
+                    let req = node_stage_request(&rec, &spec);
+                    if let Err(e) = node.client.node_stage_volume(&req) {
+                        return classify_up(alias, e);
+                    }
+                }
+                self.advance(alloc_id, alias, |v| v.phase = Phase::Publishing)
+            }
+            Phase::Publishing => {
+                if let Some(parent) = rec.target_path.parent() {
+                    if let Err(e) = create_dir(parent) {
+                        return Step::Retry(e, None);
+                    }
+                }
+                let req = node_publish_request(&rec, &spec);
+                if let Err(e) = node.client.node_publish_volume(&req) {
+                    return classify_up(alias, e);
+                }
+                match self.advance(alloc_id, alias, |v| v.phase = Phase::Published) {
+                    Step::Next => {
+                        log::info!(
+                            "allocation {alloc_id}: volume {} mounted at {}",
+                            rec.volume_id,
+                            rec.target_path.display()
+                        );
+                        Step::Done
+                    }
+                    other => other,
+                }
+            }
+            _ => Step::Fail(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: format!("volume {alias} is in an unexpected phase {}", rec.phase),
+            }),
+        }
+    }
+
+    /// Records the next phase durably.
+    fn advance(&self, alloc_id: &str, alias: &str, f: impl FnOnce(&mut AllocVolume)) -> Step {
+        let r = self.inner.store.update(|s| -> Result<(), StateError> {
+            if let Some(v) = s.volume_mut(alloc_id, alias) {
+                f(v);
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => Step::Next,
+            Err(e) => Step::Retry(crate::error_chain(&e), None),
+        }
+    }
+
+    fn rollback(&self, alloc_id: &str) {
+        if let Err(e) = self.release(alloc_id) {
+            log::error!(
+                "rollback of allocation {alloc_id} could not start: {}",
+                crate::error_chain(&e)
+            );
+            return;
+        }
+        if !self.wait_released(alloc_id, ROLLBACK_WAIT) {
+            log::warn!(
+                "rollback of allocation {alloc_id} is still running after {:?}; it goes on in the background",
+                ROLLBACK_WAIT
+            );
+        }
+    }
+
+    // ---- release --------------------------------------------------------
+
+    /// Starts releasing every volume of `alloc_id`, one worker per volume.
+    pub fn release(&self, alloc_id: &str) -> Result<ReleaseStart, ReleaseError> {
+        crate::ids::check_id("allocation", alloc_id)
+            .map_err(|e| ReleaseError::Invalid(SpecError::Id(e)))?;
+        let aliases = self.inner.store.update(|s| -> Result<_, ReleaseError> {
+            let Some(a) = s.allocs.get_mut(alloc_id) else {
+                return Ok(None);
+            };
+            a.releasing = true;
+            Ok(Some(a.volumes.keys().cloned().collect::<Vec<_>>()))
+        })?;
+        let Some(aliases) = aliases else {
+            return Ok(ReleaseStart::NotFound);
+        };
+        log::info!(
+            "releasing allocation {alloc_id}: {} volume(s)",
+            aliases.len()
+        );
+        for alias in aliases {
+            self.spawn_release_worker(alloc_id, &alias)?;
+        }
+        Ok(ReleaseStart::Started)
+    }
+
+    fn spawn_release_worker(&self, alloc_id: &str, alias: &str) -> Result<(), ReleaseError> {
+        let k = key(alloc_id, alias);
+        {
+            let mut p = self.inner.progress.lock();
+            if !p.active.insert(k.clone()) {
+                return Ok(());
+            }
+            p.releases.insert(k.clone(), ReleaseState::InProgress);
+        }
+        let volume = self.volume_of(alloc_id, alias);
+        let m = self.clone();
+        let (a, al) = (alloc_id.to_string(), alias.to_string());
+        let spawned = match self.inner.workers.lock().as_mut() {
+            Some(t) => t
+                .spawn(format!("release-{volume}"), move || {
+                    m.release_worker(&a, &al)
+                })
+                .map_err(ReleaseError::Spawn),
+            None => Err(ReleaseError::Stopping),
+        };
+        if let Err(e) = spawned {
+            let mut p = self.inner.progress.lock();
+            p.active.remove(&k);
+            p.releases.insert(
+                k,
+                ReleaseState::Stopped {
+                    error: e.to_string(),
+                },
+            );
+            self.inner.progress_changed.notify_all();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn set_release(&self, alloc_id: &str, alias: &str, st: ReleaseState) {
+        let mut p = self.inner.progress.lock();
+        p.releases.insert(key(alloc_id, alias), st);
+        self.inner.progress_changed.notify_all();
+    }
+
+    fn release_worker(&self, alloc_id: &str, alias: &str) {
+        let deadline = Instant::now() + self.inner.opts.release_retry_deadline;
+        let mut backoff = Backoff::new(self.inner.opts.csi_backoff, deadline);
+        let outcome = loop {
+            if self.inner.shutdown.is_triggered() {
+                break ReleaseState::Stopped {
+                    error: "the agent is stopping".to_string(),
+                };
+            }
+            match self.release_step(alloc_id, alias, deadline) {
+                Step::Next => continue,
+                Step::Done => break ReleaseState::Released,
+                Step::Fail(e) => {
+                    break ReleaseState::Stopped {
+                        error: crate::error_chain(&e),
+                    }
+                }
+                Step::Retry(msg, _) => {
+                    log::warn!("release of {alloc_id}/{alias}: {msg} (retrying)");
+                    self.set_release(
+                        alloc_id,
+                        alias,
+                        ReleaseState::Retrying {
+                            error: msg.clone(),
+                            attempts: backoff.attempts() + 1,
+                        },
+                    );
+                    if let Err(why) = backoff.wait(&self.inner.shutdown) {
+                        break ReleaseState::Stopped {
+                            error: match why {
+                                Interrupted::Shutdown => {
+                                    format!("the agent is stopping; last error: {msg}")
+                                }
+                                Interrupted::Deadline => {
+                                    format!("gave up at the release deadline; last error: {msg}")
+                                }
+                            },
+                        };
+                    }
+                }
+            }
+        };
+        match &outcome {
+            ReleaseState::Released => log::info!("allocation {alloc_id}: volume {alias} released"),
+            other => {
+                log::warn!("allocation {alloc_id}: release of volume {alias} stopped: {other:?}")
+            }
+        }
+        let mut p = self.inner.progress.lock();
+        p.active.remove(&key(alloc_id, alias));
+        p.releases.insert(key(alloc_id, alias), outcome);
+        self.inner.progress_changed.notify_all();
+    }
+
+    /// One step down, under the volume's lock.
+    fn release_step(&self, alloc_id: &str, alias: &str, deadline: Instant) -> Step {
+        let Some(rec) = self.record(alloc_id, alias) else {
+            return Step::Done;
+        };
+        let lock = self.inner.locks.get(&rec.volume_id);
+        let _g = lock.lock();
+        let Some(rec) = self.record(alloc_id, alias) else {
+            return Step::Done;
+        };
+        let me = (alloc_id, alias);
+        match rec.phase {
+            Phase::Claiming => {
+                // No CSI call was sent; the claim may or may not be held.
+                self.advance(alloc_id, alias, |v| v.phase = Phase::ReleasingClaim)
+            }
+            Phase::ControllerPublishing | Phase::Staging => {
+                // NodePublish was never sent: nothing to unpublish.
+                self.advance(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
+            }
+            Phase::Publishing | Phase::Published | Phase::Unpublishing => {
+                if rec.phase != Phase::Unpublishing {
+                    if let Err(e) = self.inner.claims.mark_releasing(&rec.volume_id, alloc_id) {
+                        return Step::Retry(crate::error_chain(&e), None);
+                    }
+                    if let Step::Retry(m, e) =
+                        self.advance(alloc_id, alias, |v| v.phase = Phase::Unpublishing)
+                    {
+                        return Step::Retry(m, e);
+                    }
+                }
+                let node = match self.plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
+                {
+                    Ok(n) => n,
+                    Err(e) => return Step::Retry(e.to_string(), None),
+                };
+                let mut req = csi::NodeUnpublishVolumeRequest::new();
+                req.volume_id = rec.external_volume_id.clone();
+                req.target_path = path_string(&rec.target_path);
+                match node.client.node_unpublish_volume(&req) {
+                    Ok(()) => {}
+                    Err(e) if e.is_ignorable() => {}
+                    Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
+                }
+                if MountTable::read().is_ok_and(|t| t.is_mount_point(&rec.target_path)) {
+                    return Step::Retry(
+                        format!(
+                            "NodeUnpublishVolume succeeded but {} is still mounted",
+                            rec.target_path.display()
+                        ),
+                        None,
+                    );
+                }
+                // The plugin removes the target; the agent removes the
+                // parents it created, when empty.
+                let _ = std::fs::remove_dir(&rec.target_path);
+                self.inner.paths.remove_empty_parents(&rec.target_path);
+                self.advance(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
+            }
+            Phase::Unstaging => {
+                let staging = rec.staging_path.clone().unwrap_or_default();
+                let others = self.inner.store.read(|s| s.staging_users(&staging, me));
+                if others == 0 {
+                    let node =
+                        match self.plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline) {
+                            Ok(n) => n,
+                            Err(e) => return Step::Retry(e.to_string(), None),
+                        };
+                    let mut req = csi::NodeUnstageVolumeRequest::new();
+                    req.volume_id = rec.external_volume_id.clone();
+                    req.staging_target_path = path_string(&staging);
+                    match node.client.node_unstage_volume(&req) {
+                        Ok(()) => {}
+                        Err(e) if e.is_ignorable() => {}
+                        Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
+                    }
+                    if MountTable::read().is_ok_and(|t| t.is_mount_point(&staging)) {
+                        return Step::Retry(
+                            format!(
+                                "NodeUnstageVolume succeeded but {} is still mounted",
+                                staging.display()
+                            ),
+                            None,
+                        );
+                    }
+                    let _ = std::fs::remove_dir(&staging);
+                    self.inner.paths.remove_empty_parents(&staging);
+                }
+                self.advance(alloc_id, alias, |v| {
+                    v.holds_staging = false;
+                    v.phase = next_down_after_unstage(v);
+                })
+            }
+            Phase::ControllerUnpublishing => {
+                let others = self
+                    .inner
+                    .store
+                    .read(|s| s.attachment_users(&rec.volume_id, me).len());
+                if others == 0 {
+                    let c = match self.plugin_for_release(
+                        &rec.plugin_id,
+                        PluginKind::Controller,
+                        deadline,
+                    ) {
+                        Ok(c) => c,
+                        Err(e) => return Step::Retry(e.to_string(), None),
+                    };
+                    let mut req = csi::ControllerUnpublishVolumeRequest::new();
+                    req.volume_id = rec.external_volume_id.clone();
+                    // The recorded node ID, never a fresh lookup.
+                    req.node_id = rec.external_node_id.clone().unwrap_or_default();
+                    if let Some(spec) = self.spec(&rec.volume_id) {
+                        req.secrets = spec.secrets.into_iter().collect();
+                    }
+                    match c.client.controller_unpublish_volume(&req) {
+                        Ok(()) => {}
+                        Err(e) if e.is_ignorable() => {}
+                        Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
+                    }
+                }
+                self.advance(alloc_id, alias, |v| {
+                    v.holds_attachment = false;
+                    v.phase = Phase::ReleasingClaim;
+                })
+            }
+            Phase::ReleasingClaim => {
+                if let Err(e) = self.inner.claims.release(&rec.volume_id, alloc_id) {
+                    return Step::Retry(crate::error_chain(&e), None);
+                }
+                let r = self.inner.store.update(|s| -> Result<(), StateError> {
+                    if let Some(a) = s.allocs.get_mut(alloc_id) {
+                        a.volumes.remove(alias);
+                        if a.volumes.is_empty() {
+                            s.allocs.remove(alloc_id);
+                        }
+                    }
+                    Ok(())
+                });
+                match r {
+                    Ok(()) => Step::Done,
+                    Err(e) => Step::Retry(crate::error_chain(&e), None),
+                }
+            }
+        }
+    }
+
+    fn plugin_for_release(
+        &self,
+        plugin_id: &str,
+        kind: PluginKind,
+        deadline: Instant,
+    ) -> Result<PluginSnapshot, WaitError> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .min(RELEASE_PLUGIN_WAIT_SLICE);
+        self.inner.registry.wait_for_plugin(plugin_id, kind, wait)
+    }
+
+    /// Waits until every volume of the allocation's latest release ended
+    /// (released or stopped), up to `timeout`. True when all ended.
+    pub fn wait_released(&self, alloc_id: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut p = self.inner.progress.lock();
+        loop {
+            if !p.active.iter().any(|(a, _)| a == alloc_id) {
+                return true;
+            }
+            if self.inner.shutdown.is_triggered() {
+                return false;
+            }
+            if self
+                .inner
+                .progress_changed
+                .wait_until(&mut p, deadline)
+                .timed_out()
+            {
+                return !p.active.iter().any(|(a, _)| a == alloc_id);
+            }
+        }
+    }
+
+    /// Release state of each volume of the allocation's latest release.
+    pub fn release_status(&self, alloc_id: &str) -> BTreeMap<String, ReleaseState> {
+        let p = self.inner.progress.lock();
+        p.releases
+            .iter()
+            .filter(|((a, _), _)| a == alloc_id)
+            .map(|((_, alias), st)| (alias.clone(), st.clone()))
+            .collect()
+    }
+
+    // ---- status ---------------------------------------------------------
+
+    pub fn alloc_status(&self, alloc_id: &str) -> Option<AllocStatus> {
+        let rec = self.inner.store.read(|s| s.allocs.get(alloc_id).cloned());
+        let releases = self.release_status(alloc_id);
+        let p = self.inner.progress.lock();
+        match rec {
+            Some(a) => Some(AllocStatus {
+                id: a.id.clone(),
+                releasing: a.releasing,
+                volumes: a
+                    .volumes
+                    .values()
+                    .map(|v| VolumeStatus {
+                        alias: v.alias.clone(),
+                        volume_id: v.volume_id.clone(),
+                        plugin_id: v.plugin_id.clone(),
+                        phase: Some(v.phase),
+                        host_path: v.target_path.clone(),
+                        read_only: v.usage.read_only,
+                        attachment: v.usage.attachment,
+                        release: releases.get(&v.alias).cloned(),
+                        message: p
+                            .messages
+                            .get(&key(alloc_id, &v.alias))
+                            .cloned()
+                            .unwrap_or_default(),
+                    })
+                    .collect(),
+            }),
+            // Released: only the in-memory release report is left.
+            None if !releases.is_empty() => Some(AllocStatus {
+                id: alloc_id.to_string(),
+                releasing: true,
+                volumes: releases
+                    .into_iter()
+                    .map(|(alias, st)| VolumeStatus {
+                        alias,
+                        volume_id: String::new(),
+                        plugin_id: String::new(),
+                        phase: None,
+                        host_path: PathBuf::new(),
+                        read_only: false,
+                        attachment: AttachmentMode::FileSystem,
+                        release: Some(st),
+                        message: String::new(),
+                    })
+                    .collect(),
+            }),
+            None => None,
+        }
+    }
+
+    pub fn list_allocs(&self) -> Vec<AllocStatus> {
+        let ids: Vec<String> = self
+            .inner
+            .store
+            .read(|s| s.allocs.keys().cloned().collect());
+        ids.iter().filter_map(|id| self.alloc_status(id)).collect()
+    }
+
+    // ---- restore --------------------------------------------------------
+
+    /// Brings every recorded allocation back to what was asked, before new
+    /// requests are served: intact mounts cost nothing; vanished mounts are
+    /// staged and published again under the claim still held; in-flight
+    /// phases are finished; releases are resumed in the background.
+    pub fn restore(&self) -> RestoreReport {
+        let mut report = RestoreReport::default();
+        let table = match MountTable::read() {
+            Ok(t) => t,
+            Err(e) => {
+                report
+                    .errors
+                    .push(format!("cannot read {}: {e}", crate::mounts::MOUNTINFO));
+                return report;
+            }
+        };
+        let rebooted = self.inner.store.rebooted();
+        if rebooted {
+            log::info!(
+                "the node rebooted since the state was written: every recorded mount is redone"
+            );
+        }
+        let snapshot = self.inner.store.snapshot();
+        let mut to_mount: Vec<String> = Vec::new();
+        let mut to_release: Vec<String> = Vec::new();
+        let mut remount: Vec<(String, String)> = Vec::new();
+        for a in snapshot.allocs.values() {
+            if a.releasing || a.volumes.values().any(|v| v.phase.is_teardown()) {
+                to_release.push(a.id.clone());
+                continue;
+            }
+            let mut needs = false;
+            for v in a.volumes.values() {
+                if v.phase == Phase::Published {
+                    if !rebooted && table.is_mount_point(&v.target_path) {
+                        report.intact += 1;
+                        continue;
+                    }
+                    remount.push((a.id.clone(), v.alias.clone()));
+                }
+                needs = true;
+            }
+            if needs {
+                to_mount.push(a.id.clone());
+            }
+        }
+        // Published but gone: back to the first node step, in one write.
+        let r = self
+            .inner
+            .store
+            .update(|s: &mut StateFile| -> Result<(), StateError> {
+                for (alloc, alias) in &remount {
+                    if let Some(v) = s.volume_mut(alloc, alias) {
+                        v.phase = if v.holds_staging {
+                            Phase::Staging
+                        } else {
+                            Phase::Publishing
+                        };
+                    }
+                }
+                s.boot_id = self.inner.store.boot_id().to_string();
+                Ok(())
+            });
+        if let Err(e) = r {
+            report.errors.push(crate::error_chain(&e));
+            return report;
+        }
+        report.remounted = remount.len();
+        for id in &to_release {
+            // A teardown phase without the flag (should not happen) still
+            // means the release must go on.
+            let _ = self.inner.store.update(|s| -> Result<(), StateError> {
+                if let Some(a) = s.allocs.get_mut(id) {
+                    a.releasing = true;
+                }
+                Ok(())
+            });
+            match self.release(id) {
+                Ok(_) => report.releases_resumed += 1,
+                Err(e) => report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e))),
+            }
+        }
+        // Finish mounts, one thread per allocation.
+        let results: Vec<(String, Result<(), MountError>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = to_mount
+                .iter()
+                .map(|id| {
+                    let m = self.clone();
+                    let name = format!("restore-{id}");
+                    let h = std::thread::Builder::new()
+                        .name(name)
+                        .spawn_scoped(scope, move || m.restore_alloc(id));
+                    (id.clone(), h)
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(id, h)| {
+                    let r = match h {
+                        Ok(h) => h.join().unwrap_or(Err(MountError::Busy {
+                            alloc_id: id.clone(),
+                            why: "restore thread panicked".to_string(),
+                        })),
+                        Err(e) => Err(MountError::Busy {
+                            alloc_id: id.clone(),
+                            why: format!("restore thread could not start: {e}"),
+                        }),
+                    };
+                    (id, r)
+                })
+                .collect()
+        });
+        for (id, r) in results {
+            match r {
+                Ok(()) => report.mounts_finished += 1,
+                Err(e) => {
+                    let msg = format!("{id}: {}", crate::error_chain(&e));
+                    log::error!("restore of allocation {msg}; mount it again to retry");
+                    report.errors.push(msg);
+                }
+            }
+        }
+        log::info!(
+            "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} release(s) resumed, {} error(s)",
+            report.intact,
+            report.remounted,
+            report.mounts_finished,
+            report.releases_resumed,
+            report.errors.len()
+        );
+        report
+    }
+
+    fn restore_alloc(&self, alloc_id: &str) -> Result<(), MountError> {
+        let _guard = self.begin_mount(alloc_id)?;
+        let aliases: Vec<String> = self.inner.store.read(|s| {
+            s.allocs
+                .get(alloc_id)
+                .map(|a| a.volumes.keys().cloned().collect())
+                .unwrap_or_default()
+        });
+        let deadline = Instant::now() + self.inner.opts.mount_retry_deadline;
+        for alias in aliases {
+            self.mount_volume(alloc_id, &alias, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Stops taking work and joins the release workers up to `deadline`;
+    /// returns the names of workers still running.
+    pub fn join(&self, deadline: Instant) -> Vec<String> {
+        let workers = self.inner.workers.lock().take();
+        workers.map(|w| w.join_until(deadline)).unwrap_or_default()
+    }
+}
+
+struct MountGuard {
+    manager: Manager,
+    alloc_id: String,
+}
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        let mut p = self.manager.inner.progress.lock();
+        p.mounting.remove(&self.alloc_id);
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Published volumes found still mounted: no call made.
+    pub intact: usize,
+    /// Published volumes whose mount was gone and were redone.
+    pub remounted: usize,
+    pub mounts_finished: usize,
+    pub releases_resumed: usize,
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum ReleaseError {
+    Invalid(SpecError),
+    State(StateError),
+    Spawn(std::io::Error),
+    Stopping,
+}
+
+impl fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReleaseError::Invalid(e) => e.fmt(f),
+            ReleaseError::State(_) => write!(f, "the release could not be recorded"),
+            ReleaseError::Spawn(_) => write!(f, "a release worker could not be started"),
+            ReleaseError::Stopping => write!(f, "the agent is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for ReleaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ReleaseError::State(e) => Some(e),
+            ReleaseError::Spawn(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for ReleaseError {
+    fn from(e: StateError) -> Self {
+        ReleaseError::State(e)
+    }
+}
+
+#[derive(Debug)]
+pub enum VolumeRegistryError {
+    Invalid(SpecError),
+    InUse { volume_id: String, holder: String },
+    State(StateError),
+}
+
+impl fmt::Display for VolumeRegistryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VolumeRegistryError::Invalid(e) => e.fmt(f),
+            VolumeRegistryError::InUse { volume_id, holder } => write!(
+                f,
+                "volume {volume_id} is in use by allocation {holder}; release it first"
+            ),
+            VolumeRegistryError::State(_) => write!(f, "the volume registry could not be saved"),
+        }
+    }
+}
+
+impl std::error::Error for VolumeRegistryError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            VolumeRegistryError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for VolumeRegistryError {
+    fn from(e: StateError) -> Self {
+        VolumeRegistryError::State(e)
+    }
+}
+
+/// Phases in which another record's controller attachment is known done.
+fn attachment_established(p: Phase) -> bool {
+    matches!(
+        p,
+        Phase::Staging
+            | Phase::Publishing
+            | Phase::Published
+            | Phase::Unpublishing
+            | Phase::Unstaging
+    )
+}
+
+/// Phases in which another record's staging is known done.
+fn staging_established(p: Phase) -> bool {
+    matches!(
+        p,
+        Phase::Publishing | Phase::Published | Phase::Unpublishing
+    )
+}
+
+fn next_down_after_unpublish(v: &AllocVolume) -> Phase {
+    if v.holds_staging {
+        Phase::Unstaging
+    } else {
+        next_down_after_unstage(v)
+    }
+}
+
+fn next_down_after_unstage(v: &AllocVolume) -> Phase {
+    if v.holds_attachment {
+        Phase::ControllerUnpublishing
+    } else {
+        Phase::ReleasingClaim
+    }
+}
+
+fn classify_up(alias: &str, e: CsiError) -> Step {
+    if e.is_retryable() {
+        Step::Retry(crate::error_chain(&e), Some(e))
+    } else {
+        Step::Fail(MountError::Csi {
+            alias: alias.to_string(),
+            source: e,
+        })
+    }
+}
+
+fn create_dir(path: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(path).map_err(|e| format!("cannot create {}: {e}", path.display()))
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+fn controller_publish_request(
+    rec: &AllocVolume,
+    spec: &VolumeSpec,
+    controller: &PluginSnapshot,
+) -> csi::ControllerPublishVolumeRequest {
+    let mut req = csi::ControllerPublishVolumeRequest::new();
+    req.volume_id = rec.external_volume_id.clone();
+    req.node_id = rec.external_node_id.clone().unwrap_or_default();
+    req.volume_capability = protobuf::MessageField::some(volume_capability(
+        &rec.usage,
+        &spec.mount_options,
+        &rec.mount_flags,
+    ));
+    req.readonly = rec.usage.read_only
+        && controller
+            .controller_capabilities
+            .as_ref()
+            .is_some_and(|c| c.publish_readonly);
+    req.secrets = spec.secrets.clone().into_iter().collect();
+    req.volume_context = spec.context.clone().into_iter().collect();
+    req
+}
+
+fn node_stage_request(rec: &AllocVolume, spec: &VolumeSpec) -> csi::NodeStageVolumeRequest {
+    let mut req = csi::NodeStageVolumeRequest::new();
+    req.volume_id = rec.external_volume_id.clone();
+    req.publish_context = rec.publish_context.clone().into_iter().collect();
+    req.staging_target_path = rec
+        .staging_path
+        .as_deref()
+        .map(path_string)
+        .unwrap_or_default();
+    req.volume_capability = protobuf::MessageField::some(volume_capability(
+        &rec.usage,
+        &spec.mount_options,
+        &rec.mount_flags,
+    ));
+    req.secrets = spec.secrets.clone().into_iter().collect();
+    req.volume_context = spec.context.clone().into_iter().collect();
+    req
+}
+
+fn node_publish_request(rec: &AllocVolume, spec: &VolumeSpec) -> csi::NodePublishVolumeRequest {
+    let mut req = csi::NodePublishVolumeRequest::new();
+    req.volume_id = rec.external_volume_id.clone();
+    req.publish_context = rec.publish_context.clone().into_iter().collect();
+    req.staging_target_path = rec
+        .staging_path
+        .as_deref()
+        .map(path_string)
+        .unwrap_or_default();
+    req.target_path = path_string(&rec.target_path);
+    req.volume_capability = protobuf::MessageField::some(volume_capability(
+        &rec.usage,
+        &spec.mount_options,
+        &rec.mount_flags,
+    ));
+    req.readonly = rec.usage.read_only;
+    req.secrets = spec.secrets.clone().into_iter().collect();
+    req.volume_context = spec.context.clone().into_iter().collect();
+    req
+}

@@ -1,0 +1,564 @@
+//! Volumes as claimd knows them: the registered volume spec, the usage an
+//! allocation asks for, the path layout under the mount root, and the CSI
+//! requests built from them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::csi;
+use crate::ids::{check_id, InvalidId};
+
+/// CSI access modes, spelled as in Nomad (`single-node-writer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccessMode {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    MultiNodeReaderOnly,
+    MultiNodeSingleWriter,
+    MultiNodeMultiWriter,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
+}
+
+impl AccessMode {
+    pub const ALL: [AccessMode; 7] = [
+        AccessMode::SingleNodeWriter,
+        AccessMode::SingleNodeReaderOnly,
+        AccessMode::MultiNodeReaderOnly,
+        AccessMode::MultiNodeSingleWriter,
+        AccessMode::MultiNodeMultiWriter,
+        AccessMode::SingleNodeSingleWriter,
+        AccessMode::SingleNodeMultiWriter,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AccessMode::SingleNodeWriter => "single-node-writer",
+            AccessMode::SingleNodeReaderOnly => "single-node-reader-only",
+            AccessMode::MultiNodeReaderOnly => "multi-node-reader-only",
+            AccessMode::MultiNodeSingleWriter => "multi-node-single-writer",
+            AccessMode::MultiNodeMultiWriter => "multi-node-multi-writer",
+            AccessMode::SingleNodeSingleWriter => "single-node-single-writer",
+            AccessMode::SingleNodeMultiWriter => "single-node-multi-writer",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AccessMode> {
+        AccessMode::ALL.into_iter().find(|m| m.name() == s)
+    }
+
+    /// Modes that keep every claim on one node.
+    pub fn single_node(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeWriter
+                | AccessMode::SingleNodeReaderOnly
+                | AccessMode::SingleNodeSingleWriter
+                | AccessMode::SingleNodeMultiWriter
+        )
+    }
+
+    /// Modes that admit at most one writer.
+    pub fn single_writer(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeWriter
+                | AccessMode::MultiNodeSingleWriter
+                | AccessMode::SingleNodeSingleWriter
+        )
+    }
+
+    /// Modes that admit no writer.
+    pub fn reader_only(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeReaderOnly | AccessMode::MultiNodeReaderOnly
+        )
+    }
+
+    pub fn to_csi(self) -> csi::volume_capability::access_mode::Mode {
+        use csi::volume_capability::access_mode::Mode;
+        match self {
+            AccessMode::SingleNodeWriter => Mode::SINGLE_NODE_WRITER,
+            AccessMode::SingleNodeReaderOnly => Mode::SINGLE_NODE_READER_ONLY,
+            AccessMode::MultiNodeReaderOnly => Mode::MULTI_NODE_READER_ONLY,
+            AccessMode::MultiNodeSingleWriter => Mode::MULTI_NODE_SINGLE_WRITER,
+            AccessMode::MultiNodeMultiWriter => Mode::MULTI_NODE_MULTI_WRITER,
+            AccessMode::SingleNodeSingleWriter => Mode::SINGLE_NODE_SINGLE_WRITER,
+            AccessMode::SingleNodeMultiWriter => Mode::SINGLE_NODE_MULTI_WRITER,
+        }
+    }
+}
+
+impl fmt::Display for AccessMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the workload sees the volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttachmentMode {
+    FileSystem,
+    BlockDevice,
+}
+
+impl AttachmentMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttachmentMode::FileSystem => "file-system",
+            AttachmentMode::BlockDevice => "block-device",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AttachmentMode> {
+        match s {
+            "file-system" => Some(AttachmentMode::FileSystem),
+            "block-device" => Some(AttachmentMode::BlockDevice),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for AttachmentMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Mount options of a file-system volume.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountOptions {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub fs_type: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mount_flags: Vec<String>,
+}
+
+/// A registered volume. `secrets` is kept only in the state file (mode
+/// 0600) and never printed: `Debug` redacts it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeSpec {
+    pub id: String,
+    pub plugin_id: String,
+    /// The plugin's own ID of the volume (CSI `volume_id`).
+    pub external_id: String,
+    pub access_modes: Vec<AccessMode>,
+    pub attachment_modes: Vec<AttachmentMode>,
+    #[serde(default)]
+    pub mount_options: MountOptions,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub context: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secrets: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for VolumeSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VolumeSpec")
+            .field("id", &self.id)
+            .field("plugin_id", &self.plugin_id)
+            .field("external_id", &self.external_id)
+            .field("access_modes", &self.access_modes)
+            .field("attachment_modes", &self.attachment_modes)
+            .field("mount_options", &self.mount_options)
+            .field("context", &self.context)
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
+            .finish()
+    }
+}
+
+/// Why a volume spec or request was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpecError {
+    Id(InvalidId),
+    Invalid { what: String, problem: String },
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SpecError::Id(e) => e.fmt(f),
+            SpecError::Invalid { what, problem } => write!(f, "{what}: {problem}"),
+        }
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+impl From<InvalidId> for SpecError {
+    fn from(e: InvalidId) -> Self {
+        SpecError::Id(e)
+    }
+}
+
+fn invalid(what: impl Into<String>, problem: impl Into<String>) -> SpecError {
+    SpecError::Invalid {
+        what: what.into(),
+        problem: problem.into(),
+    }
+}
+
+impl VolumeSpec {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        check_id("volume", &self.id)?;
+        check_id("plugin", &self.plugin_id)?;
+        let what = format!("volume {}", self.id);
+        if self.external_id.is_empty() {
+            return Err(invalid(what, "external_id must not be empty"));
+        }
+        if self.external_id.len() > 1024 || self.external_id.contains('\0') {
+            return Err(invalid(
+                what,
+                "external_id is longer than 1024 bytes or has a NUL",
+            ));
+        }
+        if self.access_modes.is_empty() {
+            return Err(invalid(what, "access_modes must name at least one mode"));
+        }
+        if self.attachment_modes.is_empty() {
+            return Err(invalid(
+                what,
+                "attachment_modes must name at least one mode",
+            ));
+        }
+        let flags: usize = self.mount_options.mount_flags.iter().map(|f| f.len()).sum();
+        if flags > 4096 {
+            return Err(invalid(what, "mount_flags exceed the 4 KiB CSI allows"));
+        }
+        Ok(())
+    }
+}
+
+/// What one allocation asks of one volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Usage {
+    pub read_only: bool,
+    pub attachment: AttachmentMode,
+    pub access_mode: AccessMode,
+}
+
+impl Usage {
+    /// `rw-file-system-single-node-writer`: the last path element of the
+    /// staging and target paths.
+    pub fn dir_name(&self) -> String {
+        format!(
+            "{}-{}-{}",
+            if self.read_only { "ro" } else { "rw" },
+            self.attachment.name(),
+            self.access_mode.name()
+        )
+    }
+}
+
+/// One entry of an allocation's mount request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRequest {
+    pub alias: String,
+    pub volume_id: String,
+    pub read_only: bool,
+    /// None: the volume's first access mode (that fits `read_only`).
+    pub access_mode: Option<AccessMode>,
+    /// None: the volume's first attachment mode.
+    pub attachment: Option<AttachmentMode>,
+    /// Extra mount flags for this allocation (added to the volume's).
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+}
+
+impl VolumeRequest {
+    /// Checks the request against the volume and settles the usage.
+    pub fn resolve(&self, spec: &VolumeSpec) -> Result<Usage, SpecError> {
+        let what = format!("volume {} (alias {})", spec.id, self.alias);
+        let access_mode = match self.access_mode {
+            Some(m) if spec.access_modes.contains(&m) => m,
+            Some(m) => {
+                return Err(invalid(
+                    what,
+                    format!(
+                        "access mode {m} is not one the volume supports ({})",
+                        join(&spec.access_modes)
+                    ),
+                ))
+            }
+            // The first mode the volume supports that fits the request.
+            None => *spec
+                .access_modes
+                .iter()
+                .find(|m| self.read_only || !m.reader_only())
+                .ok_or_else(|| {
+                    invalid(
+                        what.clone(),
+                        format!(
+                            "a read-write request needs a writable access mode; the volume only has {}",
+                            join(&spec.access_modes)
+                        ),
+                    )
+                })?,
+        };
+        if !self.read_only && access_mode.reader_only() {
+            return Err(invalid(
+                what,
+                format!("a read-write request is impossible with access mode {access_mode}"),
+            ));
+        }
+        let attachment = match self.attachment {
+            Some(a) if spec.attachment_modes.contains(&a) => a,
+            Some(a) => {
+                return Err(invalid(
+                    what,
+                    format!(
+                        "attachment mode {a} is not one the volume supports ({})",
+                        join(&spec.attachment_modes)
+                    ),
+                ))
+            }
+            None => spec.attachment_modes[0],
+        };
+        Ok(Usage {
+            read_only: self.read_only,
+            attachment,
+            access_mode,
+        })
+    }
+}
+
+fn join<T: fmt::Display>(v: &[T]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Checks one allocation's requests before anything changes.
+pub fn validate_requests(alloc_id: &str, reqs: &[VolumeRequest]) -> Result<(), SpecError> {
+    check_id("allocation", alloc_id)?;
+    if reqs.is_empty() {
+        return Err(invalid(
+            format!("allocation {alloc_id}"),
+            "the mount request names no volume",
+        ));
+    }
+    let mut aliases = std::collections::HashSet::new();
+    let mut volumes = std::collections::HashSet::new();
+    for r in reqs {
+        check_id("alias", &r.alias)?;
+        check_id("volume", &r.volume_id)?;
+        if !aliases.insert(r.alias.as_str()) {
+            return Err(invalid(
+                format!("allocation {alloc_id}"),
+                format!("alias {} is given twice", r.alias),
+            ));
+        }
+        if !volumes.insert(r.volume_id.as_str()) {
+            return Err(invalid(
+                format!("allocation {alloc_id}"),
+                format!("volume {} is requested twice", r.volume_id),
+            ));
+        }
+        let flags: usize = r.mount_flags.iter().map(|f| f.len()).sum();
+        if flags > 4096 {
+            return Err(invalid(
+                format!("allocation {alloc_id}"),
+                "mount_flags exceed the 4 KiB CSI allows",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Where things live under the mount root.
+#[derive(Clone, Debug)]
+pub struct Paths {
+    pub mount_root: PathBuf,
+}
+
+impl Paths {
+    pub fn new(mount_root: &Path) -> Paths {
+        Paths {
+            mount_root: mount_root.to_path_buf(),
+        }
+    }
+
+    /// `<root>/staging/<plugin>/<volume>/<usage>`
+    pub fn staging(&self, plugin_id: &str, volume_id: &str, usage: &Usage) -> PathBuf {
+        self.mount_root
+            .join("staging")
+            .join(plugin_id)
+            .join(volume_id)
+            .join(usage.dir_name())
+    }
+
+    /// `<root>/per-alloc/<alloc>/<volume>/<usage>`
+    pub fn target(&self, alloc_id: &str, volume_id: &str, usage: &Usage) -> PathBuf {
+        self.mount_root
+            .join("per-alloc")
+            .join(alloc_id)
+            .join(volume_id)
+            .join(usage.dir_name())
+    }
+
+    /// Removes `path`'s empty parents up to (not including) the mount root's
+    /// `staging` / `per-alloc` directories. Never removes anything that is
+    /// not empty.
+    pub fn remove_empty_parents(&self, path: &Path) {
+        let stops = [
+            self.mount_root.clone(),
+            self.mount_root.join("staging"),
+            self.mount_root.join("per-alloc"),
+        ];
+        let mut cur = path.parent();
+        while let Some(dir) = cur {
+            if !dir.starts_with(&self.mount_root) || stops.iter().any(|s| s == dir) {
+                break;
+            }
+            if std::fs::remove_dir(dir).is_err() {
+                break;
+            }
+            cur = dir.parent();
+        }
+    }
+}
+
+/// The CSI volume capability for a usage.
+pub fn volume_capability(
+    usage: &Usage,
+    opts: &MountOptions,
+    extra_flags: &[String],
+) -> csi::VolumeCapability {
+    let mut cap = csi::VolumeCapability::new();
+    let mut mode = csi::volume_capability::AccessMode::new();
+    mode.mode = usage.access_mode.to_csi().into();
+    cap.access_mode = protobuf::MessageField::some(mode);
+    match usage.attachment {
+        AttachmentMode::BlockDevice => {
+            cap.access_type = Some(csi::volume_capability::Access_type::Block(
+                csi::volume_capability::BlockVolume::new(),
+            ));
+        }
+        AttachmentMode::FileSystem => {
+            let mut m = csi::volume_capability::MountVolume::new();
+            m.fs_type = opts.fs_type.clone();
+            m.mount_flags = opts
+                .mount_flags
+                .iter()
+                .chain(extra_flags)
+                .cloned()
+                .collect();
+            cap.access_type = Some(csi::volume_capability::Access_type::Mount(m));
+        }
+    }
+    cap
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(modes: &[AccessMode]) -> VolumeSpec {
+        VolumeSpec {
+            id: "db".into(),
+            plugin_id: "hostpath".into(),
+            external_id: "vol-db".into(),
+            access_modes: modes.to_vec(),
+            attachment_modes: vec![AttachmentMode::FileSystem],
+            mount_options: MountOptions::default(),
+            context: BTreeMap::new(),
+            secrets: BTreeMap::from([("password".to_string(), "hunter2".to_string())]),
+        }
+    }
+
+    fn req(read_only: bool, mode: Option<AccessMode>) -> VolumeRequest {
+        VolumeRequest {
+            alias: "data".into(),
+            volume_id: "db".into(),
+            read_only,
+            access_mode: mode,
+            attachment: None,
+            mount_flags: vec![],
+        }
+    }
+
+    #[test]
+    fn usage_dir_name_and_paths() {
+        let u = Usage {
+            read_only: false,
+            attachment: AttachmentMode::FileSystem,
+            access_mode: AccessMode::SingleNodeWriter,
+        };
+        assert_eq!(u.dir_name(), "rw-file-system-single-node-writer");
+        let p = Paths::new(Path::new("/m"));
+        assert_eq!(
+            p.staging("hp", "db", &u),
+            PathBuf::from("/m/staging/hp/db/rw-file-system-single-node-writer")
+        );
+        assert_eq!(
+            p.target("a1", "db", &u),
+            PathBuf::from("/m/per-alloc/a1/db/rw-file-system-single-node-writer")
+        );
+    }
+
+    #[test]
+    fn resolve_picks_and_checks_modes() {
+        let s = spec(&[
+            AccessMode::MultiNodeReaderOnly,
+            AccessMode::SingleNodeWriter,
+        ]);
+        assert_eq!(
+            req(false, None).resolve(&s).expect("rw").access_mode,
+            AccessMode::SingleNodeWriter
+        );
+        assert_eq!(
+            req(true, None).resolve(&s).expect("ro").access_mode,
+            AccessMode::MultiNodeReaderOnly
+        );
+        let ro = spec(&[AccessMode::MultiNodeReaderOnly]);
+        let e = req(false, None).resolve(&ro).expect_err("rw on ro");
+        assert!(e.to_string().contains("writable access mode"), "{e}");
+        let e = req(false, Some(AccessMode::MultiNodeReaderOnly))
+            .resolve(&ro)
+            .expect_err("rw on ro mode");
+        assert!(
+            e.to_string().contains("read-write request is impossible"),
+            "{e}"
+        );
+        let e = req(true, Some(AccessMode::MultiNodeMultiWriter))
+            .resolve(&ro)
+            .expect_err("unsupported");
+        assert!(e.to_string().contains("not one the volume supports"), "{e}");
+    }
+
+    #[test]
+    fn debug_redacts_secrets() {
+        let s = spec(&[AccessMode::SingleNodeWriter]);
+        let d = format!("{s:?}");
+        assert!(!d.contains("hunter2"), "{d}");
+        assert!(d.contains("redacted"), "{d}");
+    }
+
+    #[test]
+    fn request_validation() {
+        let ok = vec![req(false, None)];
+        assert!(validate_requests("a1", &ok).is_ok());
+        assert!(validate_requests("../a1", &ok).is_err());
+        assert!(validate_requests("a1", &[]).is_err());
+        let dup = vec![req(false, None), req(true, None)];
+        assert!(validate_requests("a1", &dup)
+            .expect_err("dup")
+            .to_string()
+            .contains("twice"));
+        let mut bad = req(false, None);
+        bad.volume_id = "a/b".into();
+        assert!(validate_requests("a1", &[bad]).is_err());
+    }
+}
