@@ -2,7 +2,14 @@
 //! volumes for the allocations on a node, records every step durably, and
 //! converges after its own restarts, plugin restarts and crashes.
 
+/// Messages generated from `proto/*.proto` (rust-protobuf, in OUT_DIR).
+#[allow(clippy::all, clippy::pedantic, clippy::unwrap_used)]
+pub mod generated {
+    include!(concat!(env!("OUT_DIR"), "/protos/mod.rs"));
+}
+
 pub mod agent;
+pub mod api;
 pub mod claims;
 pub mod cli;
 pub mod config;

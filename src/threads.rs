@@ -1,8 +1,12 @@
 //! Named threads with an owner that joins them within a bound and names the
 //! ones that did not finish.
 
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -113,10 +117,73 @@ pub fn spawn_named(
     })
 }
 
+/// Wakes the thread that polls a future.
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Drives a future to completion on this thread, up to `timeout`; `None`
+/// if it did not complete in time.
+///
+/// grpcio's server sinks return a future that must be kept until the reply
+/// is sent: dropping it early lets gRPC cancel the call, and the client sees
+/// CANCELLED instead of the answer. A request thread waits on it with this.
+pub fn block_on<F: Future>(future: F, timeout: Duration) -> Option<F::Output> {
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = pin!(future);
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return Some(out);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        // A wake-up unparks; a spurious one only costs a poll.
+        std::thread::park_timeout(deadline - now);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn block_on_runs_a_future_woken_from_another_thread() {
+        let (tx, rx) = std::sync::mpsc::channel::<Waker>();
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f = flag.clone();
+        let fut = std::future::poll_fn(move |cx| {
+            if f.load(std::sync::atomic::Ordering::SeqCst) {
+                Poll::Ready(7)
+            } else {
+                let _ = tx.send(cx.waker().clone());
+                Poll::Pending
+            }
+        });
+        let waker_thread = std::thread::spawn(move || {
+            let w = rx.recv().expect("first poll sends a waker");
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            w.wake();
+        });
+        assert_eq!(block_on(fut, Duration::from_secs(30)), Some(7));
+        waker_thread.join().expect("waker thread");
+        assert_eq!(
+            block_on(std::future::pending::<()>(), Duration::from_millis(10)),
+            None
+        );
+    }
 
     #[test]
     fn join_until_names_the_stuck_thread() {

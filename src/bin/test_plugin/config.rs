@@ -1,0 +1,167 @@
+//! The test plugin's command line: a small hand-written parser, so the
+//! binary needs no argument-parsing crate.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::PathBuf;
+
+pub const USAGE: &str = "\
+claimd-test-plugin: a CSI plugin (Identity, Node, Controller) for claimd's tests.
+
+Serves CSI v1 on a unix socket. Volumes are directories <root>/volumes/<volume_id>
+(block volumes: regular files <root>/volumes/<volume_id>.img), created on demand;
+node operations are real bind mounts. Controller attachments and created volumes
+are kept in <root>/controller.json, so they survive a restart.
+
+USAGE:
+    claimd-test-plugin --endpoint PATH --root DIR [OPTIONS]
+
+OPTIONS:
+    --endpoint PATH             unix socket to serve (required); a stale socket
+                                file there is removed at start
+    --root DIR                  the plugin's state and volumes (required; created)
+    --node-id ID                node ID reported by NodeGetInfo [default: test-node]
+    --name NAME                 plugin name reported by GetPluginInfo
+                                [default: claimd.test.plugin]
+    --no-stage                  do not advertise STAGE_UNSTAGE_VOLUME; NodeStage and
+                                NodeUnstage answer UNIMPLEMENTED
+    --no-controller             do not advertise CONTROLLER_SERVICE; controller RPCs
+                                answer UNIMPLEMENTED
+    --call-log PATH             append one JSON line per call (never secret values)
+    --faults PATH               fault file, re-read on every call (missing = none)
+    --max-volumes-per-node N    reported by NodeGetInfo and enforced by
+                                ControllerPublishVolume (RESOURCE_EXHAUSTED) [default: 0,
+                                no limit]
+    --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
+                                publish_context other than ControllerPublish's, or a
+                                volume_context other than CreateVolume's
+    -h, --help                  print this help
+
+FAULT FILE (JSON):
+    {\"rules\": [{\"method\": \"NodeUnpublishVolume\", \"volume_id\": \"v1\",
+                \"action\": \"fail\", \"code\": \"UNAVAILABLE\", \"message\": \"m\",
+                \"count\": 3}]}
+    method     RPC name as on the wire, e.g. NodeStageVolume (required)
+    volume_id  only calls for this volume (optional; CreateVolume: its name)
+    action     fail (answer `code` without doing the work) | delay (sleep `ms`, then
+               work) | hang (never answer) | exit (log code EXIT, exit(17) without
+               answering) | not_ready (Probe only: ready=false) | empty (answer a
+               default response) | garbage (answer bytes that do not decode)
+    count      applies to this many more calls; decremented in the file, which is
+               rewritten atomically; the rule is dropped at 0 (absent = forever)
+    The first matching rule applies.
+";
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub endpoint: PathBuf,
+    pub root: PathBuf,
+    pub node_id: String,
+    pub name: String,
+    pub stage: bool,
+    pub controller: bool,
+    pub call_log: Option<PathBuf>,
+    pub faults: Option<PathBuf>,
+    pub max_volumes_per_node: i64,
+    pub require_contexts: bool,
+}
+
+pub enum Parsed {
+    Run(Config),
+    Help,
+}
+
+#[derive(Debug)]
+pub struct UsageError(String);
+
+impl fmt::Display for UsageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn usage_error(msg: impl Into<String>) -> UsageError {
+    UsageError(msg.into())
+}
+
+impl Config {
+    /// Parses the arguments after the program name. Accepts `--flag VALUE`
+    /// and `--flag=VALUE`.
+    pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageError> {
+        let mut endpoint = None;
+        let mut root = None;
+        let mut config = Config {
+            endpoint: PathBuf::new(),
+            root: PathBuf::new(),
+            node_id: "test-node".to_string(),
+            name: "claimd.test.plugin".to_string(),
+            stage: true,
+            controller: true,
+            call_log: None,
+            faults: None,
+            max_volumes_per_node: 0,
+            require_contexts: false,
+        };
+        let mut args = args.into_iter();
+        while let Some(arg) = args.next() {
+            let arg = arg
+                .into_string()
+                .map_err(|a| usage_error(format!("argument {a:?} is not valid UTF-8")))?;
+            let (flag, inline) = match arg.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+                _ => (arg.clone(), None),
+            };
+            let mut value = |what: &str| -> Result<String, UsageError> {
+                match inline.clone() {
+                    Some(v) => Ok(v),
+                    None => args
+                        .next()
+                        .ok_or_else(|| usage_error(format!("{flag} needs a value ({what})")))?
+                        .into_string()
+                        .map_err(|v| usage_error(format!("value {v:?} of {flag} is not UTF-8"))),
+                }
+            };
+            match flag.as_str() {
+                "-h" | "--help" => return Ok(Parsed::Help),
+                "--endpoint" => endpoint = Some(PathBuf::from(value("PATH")?)),
+                "--root" => root = Some(PathBuf::from(value("DIR")?)),
+                "--node-id" => config.node_id = value("ID")?,
+                "--name" => config.name = value("NAME")?,
+                "--call-log" => config.call_log = Some(PathBuf::from(value("PATH")?)),
+                "--faults" => config.faults = Some(PathBuf::from(value("PATH")?)),
+                "--max-volumes-per-node" => {
+                    let v = value("N")?;
+                    config.max_volumes_per_node =
+                        v.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+                            usage_error(format!(
+                                "--max-volumes-per-node takes a number >= 0, not {v:?}"
+                            ))
+                        })?;
+                }
+                "--no-stage" | "--no-controller" | "--require-contexts" => {
+                    if inline.is_some() {
+                        return Err(usage_error(format!("{flag} takes no value")));
+                    }
+                    match flag.as_str() {
+                        "--no-stage" => config.stage = false,
+                        "--no-controller" => config.controller = false,
+                        _ => config.require_contexts = true,
+                    }
+                }
+                _ => return Err(usage_error(format!("unknown argument {arg:?}"))),
+            }
+        }
+        config.endpoint = endpoint.ok_or_else(|| usage_error("--endpoint is required"))?;
+        config.root = root.ok_or_else(|| usage_error("--root is required"))?;
+        if config.node_id.is_empty() {
+            return Err(usage_error("--node-id must not be empty"));
+        }
+        if config.name.is_empty() {
+            return Err(usage_error("--name must not be empty"));
+        }
+        if config.endpoint.as_os_str().is_empty() || config.root.as_os_str().is_empty() {
+            return Err(usage_error("--endpoint and --root must not be empty"));
+        }
+        Ok(Parsed::Run(config))
+    }
+}

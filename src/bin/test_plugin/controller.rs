@@ -1,0 +1,387 @@
+//! The Controller service: attachments and created volumes, kept in
+//! `<root>/controller.json` (written atomically, re-read on every call, so a
+//! restarted plugin remembers them and a test can make it "lose" them by
+//! deleting the file).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+
+use claimd::csi::*;
+use grpcio::RpcStatusCode;
+use protobuf::EnumOrUnknown;
+use serde::{Deserialize, Serialize};
+
+use crate::files::write_atomic;
+use crate::plugin::*;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Attachment {
+    access_mode: String,
+    readonly: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct CreatedVolume {
+    capacity_bytes: i64,
+    volume_context: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct ControllerState {
+    /// volume ID → node ID → attachment.
+    #[serde(default)]
+    attachments: BTreeMap<String, BTreeMap<String, Attachment>>,
+    /// Volumes made by CreateVolume.
+    #[serde(default)]
+    volumes: BTreeMap<String, CreatedVolume>,
+}
+
+fn single_node(access_mode: &str) -> bool {
+    access_mode.starts_with("SINGLE_NODE_")
+}
+
+/// What ControllerPublishVolume answers for a volume on a node.
+fn publish_context(volume_id: &str, node_id: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("attached_node".to_string(), node_id.to_string()),
+        (
+            "device".to_string(),
+            format!("/dev/claimd-test/{volume_id}"),
+        ),
+    ])
+}
+
+fn sorted(map: &HashMap<String, String>) -> BTreeMap<String, String> {
+    map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+impl Plugin {
+    fn state_path(&self) -> PathBuf {
+        self.config.root.join("controller.json")
+    }
+
+    fn load_state(&self) -> Outcome<ControllerState> {
+        let path = self.state_path();
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                Failure::internal(format!(
+                    "controller state {} is invalid: {e}",
+                    path.display()
+                ))
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(ControllerState::default()),
+            Err(e) => Err(Failure::internal(format!(
+                "cannot read controller state {}: {e}",
+                path.display()
+            ))),
+        }
+    }
+
+    fn save_state(&self, state: &ControllerState) -> Outcome<()> {
+        let path = self.state_path();
+        let bytes = serde_json::to_vec_pretty(state)
+            .map_err(|e| Failure::internal(format!("cannot encode controller state: {e}")))?;
+        write_atomic(&path, &bytes).map_err(|e| {
+            Failure::internal(format!(
+                "cannot write controller state {}: {e}",
+                path.display()
+            ))
+        })
+    }
+
+    fn controller_supported(&self, method: &str) -> Outcome<()> {
+        if self.config.controller {
+            Ok(())
+        } else {
+            Err(Failure::unimplemented(
+                method,
+                "the plugin does not advertise CONTROLLER_SERVICE",
+            ))
+        }
+    }
+
+    /// With a controller, a volume must be attached to this node before a
+    /// node may use it (real plugins refuse NodeStage before
+    /// ControllerPublish).
+    pub fn check_attached(&self, volume_id: &str) -> Outcome<()> {
+        if !self.config.controller {
+            return Ok(());
+        }
+        let state = {
+            let _state = self.controller_lock.lock();
+            self.load_state()?
+        };
+        let node = &self.config.node_id;
+        if state
+            .attachments
+            .get(volume_id)
+            .is_some_and(|nodes| nodes.contains_key(node))
+        {
+            Ok(())
+        } else {
+            Err(Failure::precondition(format!(
+                "volume {volume_id} is not attached to node {node}: ControllerPublishVolume first"
+            )))
+        }
+    }
+
+    /// With `--require-contexts`: the publish context must be the one
+    /// ControllerPublish returned, and the volume context the one
+    /// CreateVolume returned (for volumes it made).
+    pub fn check_contexts(
+        &self,
+        volume_id: &str,
+        publish: &HashMap<String, String>,
+        volume: &HashMap<String, String>,
+    ) -> Outcome<()> {
+        if !self.config.require_contexts {
+            return Ok(());
+        }
+        if self.config.controller
+            && sorted(publish) != publish_context(volume_id, &self.config.node_id)
+        {
+            return Err(Failure::invalid(format!(
+                "publish_context of volume {volume_id} is not the one ControllerPublishVolume returned"
+            )));
+        }
+        let state = {
+            let _state = self.controller_lock.lock();
+            self.load_state()?
+        };
+        if let Some(created) = state.volumes.get(volume_id) {
+            if sorted(volume) != created.volume_context {
+                return Err(Failure::invalid(format!(
+                    "volume_context of volume {volume_id} is not the one CreateVolume returned"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn controller_publish_volume(
+        &self,
+        req: ControllerPublishVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<ControllerPublishVolumeResponse> {
+        self.controller_supported("ControllerPublishVolume")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let node = req.node_id.as_str();
+        if node.is_empty() {
+            return Err(Failure::invalid("node_id is required"));
+        }
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
+        is_block(cap)?;
+        let mode = match cap.access_mode.as_ref().map(|m| m.mode.enum_value()) {
+            Some(Ok(m)) if m != volume_capability::access_mode::Mode::UNKNOWN => format!("{m:?}"),
+            _ => {
+                return Err(Failure::invalid(
+                    "volume_capability.access_mode is required",
+                ))
+            }
+        };
+        let wanted = Attachment {
+            access_mode: mode,
+            readonly: req.readonly,
+        };
+        let mut response = ControllerPublishVolumeResponse::new();
+        response.publish_context = publish_context(id, node).into_iter().collect();
+
+        let _state = self.controller_lock.lock();
+        let mut state = self.load_state()?;
+        let nodes = state.attachments.get(id);
+        if let Some(existing) = nodes.and_then(|n| n.get(node)) {
+            return if *existing == wanted {
+                Ok(response)
+            } else {
+                Err(Failure::new(
+                    RpcStatusCode::ALREADY_EXISTS,
+                    format!(
+                        "volume {id} is attached to node {node} with access mode {} readonly={}",
+                        existing.access_mode, existing.readonly
+                    ),
+                ))
+            };
+        }
+        let others: Vec<(&String, &Attachment)> = nodes
+            .map(|n| n.iter().filter(|(k, _)| *k != node).collect())
+            .unwrap_or_default();
+        if !others.is_empty()
+            && (single_node(&wanted.access_mode)
+                || others.iter().any(|(_, a)| single_node(&a.access_mode)))
+        {
+            let names: Vec<&str> = others.iter().map(|(k, _)| k.as_str()).collect();
+            return Err(Failure::precondition(format!(
+                "volume {id} is attached to node {} with a single-node access mode",
+                names.join(",")
+            )));
+        }
+        let limit = self.config.max_volumes_per_node;
+        if limit > 0 {
+            let on_node = state
+                .attachments
+                .values()
+                .filter(|n| n.contains_key(node))
+                .count();
+            if i64::try_from(on_node).unwrap_or(i64::MAX) >= limit {
+                return Err(Failure::new(
+                    RpcStatusCode::RESOURCE_EXHAUSTED,
+                    format!("node {node} already has {on_node} volumes attached (limit {limit})"),
+                ));
+            }
+        }
+        state
+            .attachments
+            .entry(id.to_string())
+            .or_default()
+            .insert(node.to_string(), wanted);
+        self.save_state(&state)?;
+        log::info!("attached {id} to node {node}");
+        Ok(response)
+    }
+
+    pub fn controller_unpublish_volume(
+        &self,
+        req: ControllerUnpublishVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<ControllerUnpublishVolumeResponse> {
+        self.controller_supported("ControllerUnpublishVolume")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let node = req.node_id.as_str();
+        let _state = self.controller_lock.lock();
+        let mut state = self.load_state()?;
+        let changed = match state.attachments.get_mut(id) {
+            None => false,
+            Some(_) if node.is_empty() => state.attachments.remove(id).is_some(),
+            Some(nodes) => {
+                let removed = nodes.remove(node).is_some();
+                if nodes.is_empty() {
+                    state.attachments.remove(id);
+                }
+                removed
+            }
+        };
+        if changed {
+            self.save_state(&state)?;
+            log::info!(
+                "detached {id} from {}",
+                if node.is_empty() { "every node" } else { node }
+            );
+        }
+        Ok(ControllerUnpublishVolumeResponse::new())
+    }
+
+    pub fn controller_get_capabilities(
+        &self,
+        _req: ControllerGetCapabilitiesRequest,
+        _call: &Call,
+    ) -> Outcome<ControllerGetCapabilitiesResponse> {
+        self.controller_supported("ControllerGetCapabilities")?;
+        use controller_service_capability::rpc::Type;
+        let cap = |t: EnumOrUnknown<Type>| {
+            let mut rpc = controller_service_capability::RPC::new();
+            rpc.type_ = t;
+            let mut c = ControllerServiceCapability::new();
+            c.type_ = Some(controller_service_capability::Type::Rpc(rpc));
+            c
+        };
+        let mut r = ControllerGetCapabilitiesResponse::new();
+        r.capabilities
+            .push(cap(EnumOrUnknown::new(Type::PUBLISH_UNPUBLISH_VOLUME)));
+        r.capabilities
+            .push(cap(EnumOrUnknown::new(Type::CREATE_DELETE_VOLUME)));
+        r.capabilities
+            .push(cap(EnumOrUnknown::from_i32(UNKNOWN_CAPABILITY)));
+        Ok(r)
+    }
+
+    pub fn create_volume(
+        &self,
+        req: CreateVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<CreateVolumeResponse> {
+        self.controller_supported("CreateVolume")?;
+        let id = valid_volume_id("name", &req.name)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Failure::invalid("volume_capabilities is required"));
+        }
+        for cap in &req.volume_capabilities {
+            is_block(cap)?;
+        }
+        let capacity = req
+            .capacity_range
+            .as_ref()
+            .map(|r| r.required_bytes)
+            .unwrap_or(0);
+        let _state = self.controller_lock.lock();
+        let mut state = self.load_state()?;
+        self.volume_dir(id)?;
+        let created = state
+            .volumes
+            .entry(id.to_string())
+            .or_insert_with(|| CreatedVolume {
+                capacity_bytes: capacity,
+                volume_context: BTreeMap::from([(
+                    "claimd.test/volume".to_string(),
+                    id.to_string(),
+                )]),
+            })
+            .clone();
+        self.save_state(&state)?;
+        let mut volume = Volume::new();
+        volume.volume_id = id.to_string();
+        volume.capacity_bytes = created.capacity_bytes;
+        volume.volume_context = created.volume_context.into_iter().collect();
+        let mut r = CreateVolumeResponse::new();
+        r.volume = protobuf::MessageField::some(volume);
+        log::info!("created volume {id}");
+        Ok(r)
+    }
+
+    pub fn delete_volume(
+        &self,
+        req: DeleteVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<DeleteVolumeResponse> {
+        self.controller_supported("DeleteVolume")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let _state = self.controller_lock.lock();
+        let mut state = self.load_state()?;
+        if let Some(nodes) = state.attachments.get(id) {
+            let names: Vec<&str> = nodes.keys().map(String::as_str).collect();
+            return Err(Failure::precondition(format!(
+                "volume {id} is still attached to node {}",
+                names.join(",")
+            )));
+        }
+        let dir = self.volumes_dir().join(id);
+        match fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(Failure::internal(format!(
+                    "cannot remove volume {}: {e}",
+                    dir.display()
+                )))
+            }
+            _ => {}
+        }
+        let img = self.volumes_dir().join(format!("{id}.img"));
+        match fs::remove_file(&img) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(Failure::internal(format!(
+                    "cannot remove volume {}: {e}",
+                    img.display()
+                )))
+            }
+            _ => {}
+        }
+        if state.volumes.remove(id).is_some() {
+            self.save_state(&state)?;
+        }
+        log::info!("deleted volume {id}");
+        Ok(DeleteVolumeResponse::new())
+    }
+}

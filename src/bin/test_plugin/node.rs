@@ -1,0 +1,266 @@
+//! The Node service: real bind mounts of `<root>/volumes/<id>`.
+//!
+//! Stage binds the volume directory onto the staging path (block volumes
+//! stage nothing, as several real plugins do); publish binds the staging
+//! path (or, without staging, the volume itself) onto a target the plugin
+//! creates. Every operation is idempotent and decided by the mount table.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use claimd::csi::*;
+use grpcio::RpcStatusCode;
+use protobuf::{EnumOrUnknown, MessageField};
+
+use crate::mounts;
+use crate::plugin::*;
+
+/// How many stacked mounts an unmount loop removes before giving up.
+const MAX_STACKED_MOUNTS: usize = 8;
+
+fn mount_at(path: &Path) -> Outcome<Option<mounts::Mount>> {
+    mounts::mount_at(path)
+        .map_err(|e| Failure::internal(format!("cannot read /proc/self/mountinfo: {e}")))
+}
+
+fn io_failure(what: &str, path: &Path, e: io::Error) -> Failure {
+    Failure::internal(format!("cannot {what} {}: {e}", path.display()))
+}
+
+/// Unmounts everything stacked on `path`.
+fn unmount_all(path: &Path) -> Outcome<()> {
+    for _ in 0..MAX_STACKED_MOUNTS {
+        if mount_at(path)?.is_none() {
+            return Ok(());
+        }
+        mounts::unmount(path).map_err(|e| io_failure("unmount", path, e))?;
+    }
+    Err(Failure::internal(format!(
+        "{} still mounted after {MAX_STACKED_MOUNTS} unmounts",
+        path.display()
+    )))
+}
+
+impl Plugin {
+    fn stage_supported(&self, method: &str) -> Outcome<()> {
+        if self.config.stage {
+            Ok(())
+        } else {
+            Err(Failure::unimplemented(
+                method,
+                "the plugin does not advertise STAGE_UNSTAGE_VOLUME",
+            ))
+        }
+    }
+
+    pub fn node_stage_volume(
+        &self,
+        req: NodeStageVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<NodeStageVolumeResponse> {
+        self.stage_supported("NodeStageVolume")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let staging = valid_path("staging_target_path", &req.staging_target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
+        let block = is_block(cap)?;
+        self.check_attached(id)?;
+        self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        if !staging.is_dir() {
+            return Err(Failure::precondition(format!(
+                "staging path {} is not a directory: the CO creates it",
+                staging.display()
+            )));
+        }
+        if block {
+            // Nothing to stage: the image file is bound at publish.
+            return Ok(NodeStageVolumeResponse::new());
+        }
+        let _mounts = self.mount_lock.lock();
+        let source = self.volume_dir(id)?;
+        if mount_at(staging)?.is_some() {
+            return if mounts::same_file(staging, &source)
+                .map_err(|e| io_failure("stat", staging, e))?
+            {
+                Ok(NodeStageVolumeResponse::new())
+            } else {
+                Err(Failure::new(
+                    RpcStatusCode::ALREADY_EXISTS,
+                    format!("another volume is staged at {}", staging.display()),
+                ))
+            };
+        }
+        mounts::bind(&source, staging).map_err(|e| io_failure("bind-mount onto", staging, e))?;
+        log::info!("staged {id} at {}", staging.display());
+        Ok(NodeStageVolumeResponse::new())
+    }
+
+    pub fn node_unstage_volume(
+        &self,
+        req: NodeUnstageVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<NodeUnstageVolumeResponse> {
+        self.stage_supported("NodeUnstageVolume")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let staging = valid_path("staging_target_path", &req.staging_target_path)?;
+        let _mounts = self.mount_lock.lock();
+        unmount_all(staging)?;
+        // The staging directory belongs to the CO: it stays.
+        log::info!("unstaged {id} from {}", staging.display());
+        Ok(NodeUnstageVolumeResponse::new())
+    }
+
+    pub fn node_publish_volume(
+        &self,
+        req: NodePublishVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<NodePublishVolumeResponse> {
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let target = valid_path("target_path", &req.target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
+        let block = is_block(cap)?;
+        self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        if !self.config.stage {
+            self.check_attached(id)?;
+        }
+        let parent_ok = target.parent().is_some_and(Path::is_dir);
+        if !parent_ok {
+            return Err(Failure::precondition(format!(
+                "the parent directory of target path {} does not exist: the CO creates it",
+                target.display()
+            )));
+        }
+
+        let _mounts = self.mount_lock.lock();
+        let source = if block {
+            self.volume_image(id)?
+        } else if self.config.stage {
+            let staging = valid_path("staging_target_path", &req.staging_target_path)?;
+            if mount_at(staging)?.is_none() {
+                return Err(Failure::precondition(format!(
+                    "volume {id} is not staged at {}",
+                    staging.display()
+                )));
+            }
+            staging.to_path_buf()
+        } else {
+            self.volume_dir(id)?
+        };
+
+        if let Some(existing) = mount_at(target)? {
+            let same =
+                mounts::same_file(target, &source).map_err(|e| io_failure("stat", target, e))?;
+            return if same && existing.read_only() == req.readonly {
+                Ok(NodePublishVolumeResponse::new())
+            } else {
+                Err(Failure::new(
+                    RpcStatusCode::ALREADY_EXISTS,
+                    format!(
+                        "{} is already published with another volume or another readonly flag",
+                        target.display()
+                    ),
+                ))
+            };
+        }
+
+        let created = if block {
+            fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(target)
+                .map(drop)
+        } else {
+            match fs::create_dir(target) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && target.is_dir() => Ok(()),
+                other => other,
+            }
+        };
+        created.map_err(|e| io_failure("create target", target, e))?;
+
+        mounts::bind(&source, target).map_err(|e| io_failure("bind-mount onto", target, e))?;
+        if req.readonly {
+            if let Err(e) = mounts::remount_read_only(target) {
+                let undo = mounts::unmount(target);
+                return Err(Failure::internal(format!(
+                    "cannot make {} read-only: {e} (unmount: {undo:?})",
+                    target.display()
+                )));
+            }
+        }
+        log::info!(
+            "published {id} at {}{}",
+            target.display(),
+            if req.readonly { " read-only" } else { "" }
+        );
+        Ok(NodePublishVolumeResponse::new())
+    }
+
+    pub fn node_unpublish_volume(
+        &self,
+        req: NodeUnpublishVolumeRequest,
+        _call: &Call,
+    ) -> Outcome<NodeUnpublishVolumeResponse> {
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let target = valid_path("target_path", &req.target_path)?;
+        let _mounts = self.mount_lock.lock();
+        unmount_all(target)?;
+        // The plugin created the target; it removes it. A directory that is
+        // not empty once unmounted is not ours to delete.
+        match fs::symlink_metadata(target) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_failure("stat", target, e)),
+            Ok(m) if m.is_dir() => {
+                fs::remove_dir(target).map_err(|e| io_failure("remove target", target, e))?
+            }
+            Ok(_) => fs::remove_file(target).map_err(|e| io_failure("remove target", target, e))?,
+        }
+        log::info!("unpublished {id} from {}", target.display());
+        Ok(NodeUnpublishVolumeResponse::new())
+    }
+
+    pub fn node_get_capabilities(
+        &self,
+        _req: NodeGetCapabilitiesRequest,
+        _call: &Call,
+    ) -> Outcome<NodeGetCapabilitiesResponse> {
+        use node_service_capability::rpc::Type;
+        let cap = |t: EnumOrUnknown<Type>| {
+            let mut rpc = node_service_capability::RPC::new();
+            rpc.type_ = t;
+            let mut c = NodeServiceCapability::new();
+            c.type_ = Some(node_service_capability::Type::Rpc(rpc));
+            c
+        };
+        let mut r = NodeGetCapabilitiesResponse::new();
+        if self.config.stage {
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::STAGE_UNSTAGE_VOLUME)));
+        }
+        r.capabilities
+            .push(cap(EnumOrUnknown::from_i32(UNKNOWN_CAPABILITY)));
+        Ok(r)
+    }
+
+    pub fn node_get_info(
+        &self,
+        _req: NodeGetInfoRequest,
+        _call: &Call,
+    ) -> Outcome<NodeGetInfoResponse> {
+        let mut topology = Topology::new();
+        topology
+            .segments
+            .insert("claimd.test/node".to_string(), self.config.node_id.clone());
+        let mut r = NodeGetInfoResponse::new();
+        r.node_id = self.config.node_id.clone();
+        r.max_volumes_per_node = self.config.max_volumes_per_node;
+        r.accessible_topology = MessageField::some(topology);
+        Ok(r)
+    }
+}

@@ -1,0 +1,572 @@
+//! Shared support for integration tests: waiting with a deadline, the test
+//! plugin process, its call log and fault file, and the mount table.
+//!
+//! Used as `mod common;`; not every test file uses every helper.
+#![allow(dead_code)]
+
+use std::ffi::CString;
+use std::fs;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use claimd::csi::CsiClient;
+use serde_json::Value;
+
+/// How long a plugin may take to listen after it is started.
+pub const PLUGIN_START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a plugin may take to exit after a signal.
+pub const PLUGIN_EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Deadline of CSI calls made by tests that do not test deadlines.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Polls `cond` until it holds; panics naming `what` if `deadline` passes
+/// first. The only place a test waits.
+pub fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return;
+        }
+        if start.elapsed() >= deadline {
+            panic!("timed out after {deadline:?} waiting for {what}");
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// One gRPC environment (completion-queue threads) for every client in
+/// the test process.
+pub fn grpc_env() -> Arc<grpcio::Environment> {
+    static ENV: OnceLock<Arc<grpcio::Environment>> = OnceLock::new();
+    Arc::clone(ENV.get_or_init(|| claimd::csi::grpc_environment("test-grpc")))
+}
+
+// ---- A test's directory --------------------------------------------------
+
+/// A temporary directory plus a guard that lazily unmounts everything
+/// under it before it is removed, so a failing test never leaks mounts
+/// (and never deletes through a leftover bind mount).
+pub struct TestDir {
+    // Field order is drop order: unmount first, then remove.
+    mounts: MountGuard,
+    dir: tempfile::TempDir,
+}
+
+impl TestDir {
+    pub fn new() -> TestDir {
+        let dir = tempfile::Builder::new()
+            .prefix("claimd-test-")
+            .tempdir()
+            .expect("create a temporary directory");
+        TestDir {
+            mounts: MountGuard::new(dir.path()),
+            dir,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Creates `<dir>/<rel>` (and its parents) and returns it.
+    pub fn mkdir(&self, rel: &str) -> PathBuf {
+        let p = self.dir.path().join(rel);
+        fs::create_dir_all(&p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
+        p
+    }
+}
+
+/// Lazily unmounts (MNT_DETACH) every mount under a directory on drop,
+/// deepest first.
+pub struct MountGuard {
+    dir: PathBuf,
+}
+
+impl MountGuard {
+    pub fn new(dir: &Path) -> MountGuard {
+        MountGuard {
+            dir: fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
+        }
+    }
+}
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        for _ in 0..16 {
+            let mut left = mounts_under(&self.dir);
+            if left.is_empty() {
+                return;
+            }
+            left.sort_by_key(|m| std::cmp::Reverse(m.mount_point.as_os_str().len()));
+            for m in left {
+                if let Err(e) = unmount_detach(&m.mount_point) {
+                    eprintln!("cleanup: cannot unmount {}: {e}", m.mount_point.display());
+                }
+            }
+        }
+        eprintln!("cleanup: mounts left under {}", self.dir.display());
+    }
+}
+
+fn unmount_detach(path: &Path) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
+    // SAFETY: a valid NUL-terminated string that outlives the call.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+// ---- The mount table -----------------------------------------------------
+
+/// One line of `/proc/self/mountinfo`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountEntry {
+    pub mount_id: u64,
+    pub parent_id: u64,
+    /// `major:minor` of the filesystem.
+    pub device: String,
+    /// The directory of the filesystem mounted here (for a bind mount, the
+    /// source's path inside its filesystem).
+    pub root: PathBuf,
+    pub mount_point: PathBuf,
+    /// Per-mount options: `ro`/`rw` and the like.
+    pub options: String,
+    pub fs_type: String,
+    pub source: String,
+    /// Superblock options.
+    pub super_options: String,
+}
+
+impl MountEntry {
+    pub fn read_only(&self) -> bool {
+        self.options.split(',').any(|o| o == "ro")
+    }
+
+    pub fn has_option(&self, option: &str) -> bool {
+        self.options.split(',').any(|o| o == option)
+    }
+}
+
+/// Undoes the kernel's octal escapes (`\040` is a space).
+pub fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 3 < bytes.len() {
+            let digits = &bytes[i + 1..i + 4];
+            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                let v = digits
+                    .iter()
+                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                if let Ok(b) = u8::try_from(v) {
+                    out.push(b);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+pub fn parse_mountinfo_line(line: &str) -> Option<MountEntry> {
+    let (left, right) = line.split_once(" - ")?;
+    let l: Vec<&str> = left.split(' ').collect();
+    let r: Vec<&str> = right.split(' ').collect();
+    if l.len() < 6 || r.len() < 3 {
+        return None;
+    }
+    Some(MountEntry {
+        mount_id: l[0].parse().ok()?,
+        parent_id: l[1].parse().ok()?,
+        device: l[2].to_string(),
+        root: PathBuf::from(unescape_mountinfo(l[3])),
+        mount_point: PathBuf::from(unescape_mountinfo(l[4])),
+        options: l[5].to_string(),
+        fs_type: r[0].to_string(),
+        source: unescape_mountinfo(r[1]),
+        super_options: r[2].to_string(),
+    })
+}
+
+/// The mount table of this process, in mount order.
+pub fn mounts() -> Vec<MountEntry> {
+    let text = fs::read_to_string("/proc/self/mountinfo").expect("read /proc/self/mountinfo");
+    text.lines()
+        .map(|l| parse_mountinfo_line(l).unwrap_or_else(|| panic!("bad mountinfo line {l:?}")))
+        .collect()
+}
+
+fn canonical(path: &Path) -> PathBuf {
+    fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Every mount at `path`, bottom first (more than one means stacked).
+pub fn mounts_at(path: &Path) -> Vec<MountEntry> {
+    let p = canonical(path);
+    mounts()
+        .into_iter()
+        .filter(|m| m.mount_point == p)
+        .collect()
+}
+
+/// The topmost mount at `path`.
+pub fn mount_at(path: &Path) -> Option<MountEntry> {
+    mounts_at(path).pop()
+}
+
+pub fn is_mount_point(path: &Path) -> bool {
+    !mounts_at(path).is_empty()
+}
+
+/// Mounts at or below `dir`.
+pub fn mounts_under(dir: &Path) -> Vec<MountEntry> {
+    let d = canonical(dir);
+    mounts()
+        .into_iter()
+        .filter(|m| m.mount_point.starts_with(&d))
+        .collect()
+}
+
+// ---- The test plugin -----------------------------------------------------
+
+/// Starts `claimd-test-plugin` with chosen flags.
+pub struct TestPluginBuilder {
+    dir: PathBuf,
+    args: Vec<String>,
+}
+
+impl TestPluginBuilder {
+    pub fn node_id(self, id: &str) -> Self {
+        self.args(&["--node-id", id])
+    }
+
+    pub fn name(self, name: &str) -> Self {
+        self.args(&["--name", name])
+    }
+
+    pub fn no_stage(self) -> Self {
+        self.args(&["--no-stage"])
+    }
+
+    pub fn no_controller(self) -> Self {
+        self.args(&["--no-controller"])
+    }
+
+    pub fn require_contexts(self) -> Self {
+        self.args(&["--require-contexts"])
+    }
+
+    pub fn max_volumes_per_node(self, n: u32) -> Self {
+        self.args(&["--max-volumes-per-node", &n.to_string()])
+    }
+
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// Starts the plugin and waits until its socket accepts connections.
+    pub fn start(self) -> TestPlugin {
+        fs::create_dir_all(&self.dir).expect("create the plugin directory");
+        let mut plugin = TestPlugin {
+            socket: self.dir.join("csi.sock"),
+            root: self.dir.join("root"),
+            call_log: self.dir.join("calls.jsonl"),
+            faults: self.dir.join("faults.json"),
+            stderr: self.dir.join("stderr.log"),
+            dir: self.dir,
+            args: self.args,
+            child: None,
+        };
+        plugin.spawn();
+        plugin
+    }
+}
+
+/// A running `claimd-test-plugin`; killed on drop.
+///
+/// Layout under its directory: `csi.sock`, `root/` (volumes and
+/// `controller.json`), `calls.jsonl`, `faults.json`, `stderr.log`.
+pub struct TestPlugin {
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+    pub socket: PathBuf,
+    pub root: PathBuf,
+    pub call_log: PathBuf,
+    pub faults: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl TestPlugin {
+    /// A plugin living in `<dir>/plugin`.
+    pub fn builder(dir: &Path) -> TestPluginBuilder {
+        TestPluginBuilder {
+            dir: dir.join("plugin"),
+            args: Vec::new(),
+        }
+    }
+
+    fn spawn(&mut self) {
+        assert!(self.child.is_none(), "plugin already running");
+        let stderr = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.stderr)
+            .expect("open the plugin's stderr log");
+        let child = Command::new(env!("CARGO_BIN_EXE_claimd-test-plugin"))
+            .arg("--endpoint")
+            .arg(&self.socket)
+            .arg("--root")
+            .arg(&self.root)
+            .arg("--call-log")
+            .arg(&self.call_log)
+            .arg("--faults")
+            .arg(&self.faults)
+            .args(&self.args)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("start claimd-test-plugin");
+        let pid = child.id();
+        self.child = Some(child);
+        // Readiness is a connect, not a CSI call, so the call log holds
+        // exactly the calls the test made. A stale socket file refuses
+        // connections until the new plugin has replaced it.
+        let socket = self.socket.clone();
+        wait_until(
+            PLUGIN_START_TIMEOUT,
+            &format!("test plugin (pid {pid}) to listen on {}", socket.display()),
+            || {
+                if let Some(status) = self.try_wait() {
+                    panic!(
+                        "test plugin exited with {status} before listening:\n{}",
+                        self.stderr_text()
+                    );
+                }
+                UnixStream::connect(&socket).is_ok()
+            },
+        );
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// The exit status, if the child has exited (reaped here).
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        match child.try_wait().expect("wait for the test plugin") {
+            Some(status) => {
+                self.child = None;
+                Some(status)
+            }
+            None => None,
+        }
+    }
+
+    /// Waits for the plugin to exit on its own (an `exit` fault).
+    pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
+        let mut status = None;
+        wait_until(deadline, "the test plugin to exit", || {
+            status = self.try_wait();
+            status.is_some()
+        });
+        status.expect("wait_until returned, so the plugin exited")
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and wait for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let pid = self.pid().expect("plugin running");
+        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+        // SAFETY: plain kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0, "SIGTERM");
+        self.wait_exit(PLUGIN_EXIT_TIMEOUT)
+    }
+
+    /// Kills (if running) and starts again with the same flags and
+    /// directory: its state and fault file stay.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// A client for this plugin's socket.
+    pub fn client(&self) -> CsiClient {
+        self.client_with_timeout(CALL_TIMEOUT)
+    }
+
+    pub fn client_with_timeout(&self, timeout: Duration) -> CsiClient {
+        CsiClient::new(grpc_env(), &self.socket, timeout)
+    }
+
+    pub fn call_log(&self) -> CallLog {
+        CallLog {
+            path: self.call_log.clone(),
+        }
+    }
+
+    pub fn faults(&self) -> Faults {
+        Faults {
+            path: self.faults.clone(),
+        }
+    }
+
+    /// `<root>/volumes/<id>`.
+    pub fn volume_dir(&self, id: &str) -> PathBuf {
+        self.root.join("volumes").join(id)
+    }
+
+    /// The plugin's `controller.json`, if written.
+    pub fn controller_state(&self) -> Option<Value> {
+        let text = fs::read_to_string(self.root.join("controller.json")).ok()?;
+        Some(serde_json::from_str(&text).expect("controller.json is JSON"))
+    }
+
+    pub fn stderr_text(&self) -> String {
+        fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+}
+
+impl Drop for TestPlugin {
+    fn drop(&mut self) {
+        self.kill();
+        if thread::panicking() {
+            eprintln!(
+                "---- test plugin stderr ({}) ----\n{}",
+                self.stderr.display(),
+                self.stderr_text()
+            );
+        }
+    }
+}
+
+// ---- Call log and fault file ---------------------------------------------
+
+/// Reads the plugin's call log (JSON lines).
+pub struct CallLog {
+    pub path: PathBuf,
+}
+
+impl CallLog {
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<Value> {
+        let text = match fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
+            Err(e) => panic!("read call log {}: {e}", self.path.display()),
+        };
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("call log line {l:?}: {e}")))
+            .collect()
+    }
+
+    /// The calls of one method.
+    pub fn calls_of(&self, method: &str) -> Vec<Value> {
+        self.calls()
+            .into_iter()
+            .filter(|c| c["method"] == method)
+            .collect()
+    }
+
+    /// The method names, in order.
+    pub fn methods(&self) -> Vec<String> {
+        self.calls()
+            .iter()
+            .map(|c| {
+                c["method"]
+                    .as_str()
+                    .expect("method is a string")
+                    .to_string()
+            })
+            .collect()
+    }
+
+    /// `(method, code)` pairs, in order.
+    pub fn methods_and_codes(&self) -> Vec<(String, String)> {
+        self.calls()
+            .iter()
+            .map(|c| {
+                (
+                    c["method"].as_str().expect("method").to_string(),
+                    c["code"].as_str().expect("code").to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// The raw file, for "this never appears" checks.
+    pub fn raw(&self) -> String {
+        fs::read_to_string(&self.path).unwrap_or_default()
+    }
+}
+
+/// Writes the plugin's fault file.
+pub struct Faults {
+    pub path: PathBuf,
+}
+
+impl Faults {
+    /// Replaces the rules (a JSON array), atomically.
+    pub fn set(&self, rules: Value) {
+        assert!(rules.is_array(), "fault rules are a JSON array");
+        let text = serde_json::to_vec_pretty(&serde_json::json!({ "rules": rules }))
+            .expect("encode fault rules");
+        self.write_raw(&text);
+    }
+
+    /// Writes the file verbatim (for malformed-file tests), atomically.
+    pub fn write_raw(&self, bytes: &[u8]) {
+        let tmp = self.path.with_extension("json.tmp");
+        fs::write(&tmp, bytes).expect("write fault file");
+        fs::rename(&tmp, &self.path).expect("rename fault file");
+    }
+
+    pub fn clear(&self) {
+        match fs::remove_file(&self.path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => panic!("remove fault file: {e}"),
+            _ => {}
+        }
+    }
+
+    /// The rules now in the file (as the plugin left them).
+    pub fn rules(&self) -> Vec<Value> {
+        match fs::read_to_string(&self.path) {
+            Ok(t) => {
+                let v: Value = serde_json::from_str(&t).expect("fault file is JSON");
+                v["rules"].as_array().cloned().unwrap_or_default()
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => panic!("read fault file: {e}"),
+        }
+    }
+}
