@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::api::ApiServer;
 use crate::claims::EmbeddedClaims;
 use crate::config::Config;
 use crate::hook::{Manager, ManagerOptions};
@@ -21,6 +22,7 @@ pub const STOP_SLACK: Duration = Duration::from_millis(500);
 #[derive(Debug)]
 pub enum AgentError {
     State(StateError),
+    Api(crate::api::ApiError),
     Io {
         what: String,
         source: std::io::Error,
@@ -31,6 +33,7 @@ impl fmt::Display for AgentError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AgentError::State(e) => e.fmt(f),
+            AgentError::Api(e) => e.fmt(f),
             AgentError::Io { what, .. } => f.write_str(what),
         }
     }
@@ -40,6 +43,7 @@ impl std::error::Error for AgentError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             AgentError::State(e) => e.source(),
+            AgentError::Api(e) => e.source(),
             AgentError::Io { source, .. } => Some(source),
         }
     }
@@ -64,6 +68,7 @@ pub struct Agent {
     pub manager: Manager,
     pub registry: Registry,
     pub dev: bool,
+    api: ApiServer,
 }
 
 impl Agent {
@@ -84,7 +89,7 @@ impl Agent {
         );
         let env = crate::csi::grpc_environment("grpc-cq");
         let registry = Registry::start(
-            env,
+            env.clone(),
             &config.plugins,
             RegistryOptions {
                 call_timeout: config.timeouts.csi_call,
@@ -104,18 +109,33 @@ impl Agent {
         for e in &report.errors {
             log::error!("restore: {e}");
         }
+        // Requests are served only once the restore has run.
+        let api = match ApiServer::start(env, &config.api_socket, manager.clone(), registry.clone())
+        {
+            Ok(api) => api,
+            Err(e) => {
+                shutdown.trigger();
+                let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
+                manager.join(deadline);
+                registry.join(deadline);
+                return Err(AgentError::Api(e));
+            }
+        };
         Ok(Agent {
             config,
             shutdown,
             manager,
             registry,
             dev,
+            api,
         })
     }
 
     /// Stops: in dev mode releases everything first (bounded), then stops
     /// every loop and joins the threads within the CSI deadline plus slack.
-    pub fn stop(self) {
+    pub fn stop(mut self) {
+        // Stop taking requests first.
+        let api_left = self.api.stop(Instant::now() + STOP_SLACK);
         if self.dev {
             let allocs: Vec<String> = self
                 .manager
@@ -144,7 +164,8 @@ impl Agent {
         }
         self.shutdown.trigger();
         let deadline = Instant::now() + self.config.timeouts.csi_call + STOP_SLACK;
-        let mut left = self.manager.join(deadline);
+        let mut left = api_left;
+        left.extend(self.manager.join(deadline));
         left.extend(self.registry.join(deadline));
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));

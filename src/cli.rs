@@ -27,11 +27,13 @@ allocations on this node, and survives its own restarts.
 
 USAGE:
     claimd agent [--config PATH] [--dev]
+    claimd volume|alloc|plugin ...
     claimd --help | --version
 
 COMMANDS:
     agent       Run the agent (under systemd, or by hand).
 
+{client}
 OPTIONS:
     -h, --help     Print this help.
     -V, --version  Print the version.
@@ -44,7 +46,8 @@ EXIT CODES:
 
 Run `claimd agent --help` for the agent's options and defaults.
 ",
-        version = version()
+        version = version(),
+        client = crate::commands::client_help(),
     )
 }
 
@@ -149,6 +152,9 @@ pub fn run(args: Vec<String>) -> u8 {
             EXIT_OK
         }
         "agent" => run_agent(&rest),
+        "volume" => crate::commands::volume(&rest),
+        "alloc" => crate::commands::alloc(&rest),
+        "plugin" => crate::commands::plugin(&rest),
         other => {
             eprintln!("claimd: unknown command {other:?}; see `claimd --help`");
             EXIT_USAGE
