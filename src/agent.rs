@@ -104,6 +104,7 @@ impl Agent {
         opts.plugin_wait = config.timeouts.plugin_wait;
         opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
         opts.release_retry_deadline = config.timeouts.release_retry_deadline;
+        opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
         let manager = Manager::new(store, claims, registry.clone(), opts, shutdown.clone());
         let report = manager.restore();
         for e in &report.errors {

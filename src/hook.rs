@@ -52,6 +52,9 @@ pub struct ManagerOptions {
     pub mount_retry_deadline: Duration,
     pub release_retry_deadline: Duration,
     pub csi_backoff: BackoffPolicy,
+    /// How long `restore` waits for unfinished mounts before it returns
+    /// and lets them go on in the background.
+    pub restore_wait: Duration,
 }
 
 impl ManagerOptions {
@@ -65,6 +68,8 @@ impl ManagerOptions {
             mount_retry_deadline: MOUNT_RETRY_DEADLINE,
             release_retry_deadline: crate::config::DEFAULT_RELEASE_RETRY_DEADLINE,
             csi_backoff: CSI_BACKOFF,
+            restore_wait: crate::config::DEFAULT_PLUGIN_WAIT_TIMEOUT
+                + crate::config::DEFAULT_CSI_CALL_TIMEOUT,
         }
     }
 }
@@ -654,7 +659,30 @@ impl Manager {
         let deadline = Instant::now() + self.inner.opts.claim_retry_deadline;
         let mut backoff = Backoff::new(self.inner.opts.claim_backoff, deadline);
         loop {
-            match self.inner.claims.claim(&req) {
+            // Each attempt runs under the volume's lock and only while the
+            // record still waits for its claim: a release that started
+            // meanwhile frees the claim under the same lock, and a claim
+            // granted after that would be held by no record.
+            let attempt = {
+                let lock = self.inner.locks.get(&rec.volume_id);
+                let _g = lock.lock();
+                let wanted = self.inner.store.read(|s| {
+                    s.allocs.get(alloc_id).is_some_and(|a| {
+                        !a.releasing
+                            && a.volumes
+                                .get(&rec.alias)
+                                .is_some_and(|v| v.phase == Phase::Claiming)
+                    })
+                });
+                if !wanted {
+                    return Err(MountError::Busy {
+                        alloc_id: alloc_id.to_string(),
+                        why: "is being released".to_string(),
+                    });
+                }
+                self.inner.claims.claim(&req)
+            };
+            match attempt {
                 Ok(_) => return Ok(()),
                 Err(e) if e.is_retryable() => {
                     let msg = format!("{e} (retrying)");
@@ -1291,6 +1319,8 @@ impl Manager {
         let mut to_mount: Vec<String> = Vec::new();
         let mut to_release: Vec<String> = Vec::new();
         let mut remount: Vec<(String, String)> = Vec::new();
+        // Cut off in `publishing` before a reboot: the staging is gone too.
+        let mut restage: Vec<(String, String)> = Vec::new();
         for a in snapshot.allocs.values() {
             if a.releasing || a.volumes.values().any(|v| v.phase.is_teardown()) {
                 to_release.push(a.id.clone());
@@ -1304,6 +1334,8 @@ impl Manager {
                         continue;
                     }
                     remount.push((a.id.clone(), v.alias.clone()));
+                } else if rebooted && v.phase == Phase::Publishing && v.holds_staging {
+                    restage.push((a.id.clone(), v.alias.clone()));
                 }
                 needs = true;
             }
@@ -1316,7 +1348,7 @@ impl Manager {
             .inner
             .store
             .update(|s: &mut StateFile| -> Result<(), StateError> {
-                for (alloc, alias) in &remount {
+                for (alloc, alias) in remount.iter().chain(&restage) {
                     if let Some(v) = s.volume_mut(alloc, alias) {
                         v.phase = if v.holds_staging {
                             Phase::Staging
@@ -1349,59 +1381,70 @@ impl Manager {
                     .push(format!("{id}: {}", crate::error_chain(&e))),
             }
         }
-        // Finish mounts, one thread per allocation.
-        let results: Vec<(String, Result<(), MountError>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = to_mount
-                .iter()
-                .map(|id| {
-                    let m = self.clone();
-                    let name = format!("restore-{id}");
-                    let h = std::thread::Builder::new()
-                        .name(name)
-                        .spawn_scoped(scope, move || m.restore_alloc(id));
-                    (id.clone(), h)
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|(id, h)| {
-                    let r = match h {
-                        Ok(h) => h.join().unwrap_or(Err(MountError::Busy {
-                            alloc_id: id.clone(),
-                            why: "restore thread panicked".to_string(),
-                        })),
-                        Err(e) => Err(MountError::Busy {
-                            alloc_id: id.clone(),
-                            why: format!("restore thread could not start: {e}"),
-                        }),
-                    };
-                    (id, r)
-                })
-                .collect()
-        });
-        for (id, r) in results {
-            match r {
-                Ok(()) => report.mounts_finished += 1,
+        // Finish mounts on one worker per allocation. Requests are served
+        // only after they finished or `restore_wait` passed, whichever comes
+        // first: a mount that waits out a held claim (or a plugin that does
+        // not come back) goes on in the background, so it cannot keep the
+        // API, and with it the release that would free the claim, away.
+        let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
+        let mut started = 0;
+        for id in &to_mount {
+            let guard = match self.begin_mount(id) {
+                Ok(g) => g,
                 Err(e) => {
-                    let msg = format!("{id}: {}", crate::error_chain(&e));
-                    log::error!("restore of allocation {msg}; mount it again to retry");
-                    report.errors.push(msg);
+                    report
+                        .errors
+                        .push(format!("{id}: {}", crate::error_chain(&e)));
+                    continue;
                 }
+            };
+            let m = self.clone();
+            let (id2, tx) = (id.clone(), tx.clone());
+            let spawned = match self.inner.workers.lock().as_mut() {
+                Some(t) => t.spawn(format!("restore-{id}"), move || {
+                    let r = m.restore_alloc(&id2, guard);
+                    if let Err(e) = &r {
+                        log::error!(
+                            "restore of allocation {id2}: {}; mount it again to retry",
+                            crate::error_chain(e)
+                        );
+                    }
+                    let _ = tx.send((id2, r));
+                }),
+                None => Ok(()),
+            };
+            match spawned {
+                Ok(()) => started += 1,
+                Err(e) => report
+                    .errors
+                    .push(format!("{id}: restore worker could not start: {e}")),
             }
         }
+        drop(tx);
+        let deadline = Instant::now() + self.inner.opts.restore_wait;
+        for _ in 0..started {
+            match rx.recv_deadline(deadline) {
+                Ok((_, Ok(()))) => report.mounts_finished += 1,
+                Ok((id, Err(e))) => report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e))),
+                Err(_) => break,
+            }
+        }
+        report.in_background = started - report.mounts_finished - report.errors.len().min(started);
         log::info!(
-            "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} release(s) resumed, {} error(s)",
+            "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} still running, {} release(s) resumed, {} error(s)",
             report.intact,
             report.remounted,
             report.mounts_finished,
+            report.in_background,
             report.releases_resumed,
             report.errors.len()
         );
         report
     }
 
-    fn restore_alloc(&self, alloc_id: &str) -> Result<(), MountError> {
-        let _guard = self.begin_mount(alloc_id)?;
+    fn restore_alloc(&self, alloc_id: &str, _guard: MountGuard) -> Result<(), MountError> {
         let aliases: Vec<String> = self.inner.store.read(|s| {
             s.allocs
                 .get(alloc_id)
@@ -1432,6 +1475,7 @@ impl Drop for MountGuard {
     fn drop(&mut self) {
         let mut p = self.manager.inner.progress.lock();
         p.mounting.remove(&self.alloc_id);
+        self.manager.inner.progress_changed.notify_all();
     }
 }
 
@@ -1442,6 +1486,9 @@ pub struct RestoreReport {
     /// Published volumes whose mount was gone and were redone.
     pub remounted: usize,
     pub mounts_finished: usize,
+    /// Allocation mounts still being finished when the restore returned
+    /// (waiting for a held claim or a slow plugin).
+    pub in_background: usize,
     pub releases_resumed: usize,
     pub errors: Vec<String>,
 }

@@ -89,7 +89,8 @@ pub struct PluginSnapshot {
     pub node_capabilities: Option<NodeCapabilities>,
     pub controller_capabilities: Option<ControllerCapabilities>,
     pub node_info: Option<NodeInfo>,
-    /// Bumped each time the plugin is fingerprinted afresh.
+    /// Bumped when a new plugin instance (a new socket file) is
+    /// fingerprinted, or the fingerprint changed.
     pub generation: u64,
     pub last_probe: Option<SystemTime>,
     /// Where the entry came from: "config" or "plugin_dir".
@@ -377,7 +378,8 @@ impl Registry {
         timeout: Duration,
     ) -> Result<PluginSnapshot, WaitError> {
         let started = Instant::now();
-        let deadline = started + timeout;
+        // None: no practical limit (a timeout too large to add).
+        let deadline = started.checked_add(timeout);
         let mut st = self.inner.state.lock();
         loop {
             if let Some(s) = Self::ready_entry(&st, id, kind) {
@@ -389,6 +391,10 @@ impl Registry {
                     kind,
                 });
             }
+            let Some(deadline) = deadline else {
+                self.inner.changed.wait(&mut st);
+                continue;
+            };
             if self.inner.changed.wait_until(&mut st, deadline).timed_out() {
                 if let Some(s) = Self::ready_entry(&st, id, kind) {
                     return Ok(s);
@@ -458,8 +464,10 @@ impl Registry {
         let interval = self.inner.opts.probe_interval;
         let mut fast = FAST_PROBE_INITIAL;
         // Identity of the socket file the last fingerprint talked to; a new
-        // inode means the plugin was restarted.
-        let mut fingerprinted: Option<(u64, u64)> = None;
+        // one means the plugin was restarted.
+        let mut fingerprinted: Option<SocketId> = None;
+        // The socket the current generation was counted for.
+        let mut generation_socket: Option<SocketId> = None;
         while !shutdown.is_triggered() {
             let socket_id = socket_identity(client.socket());
             let healthy = match socket_id {
@@ -476,6 +484,8 @@ impl Registry {
                         match fingerprint(&client, ty) {
                             Ok(fp) => {
                                 fingerprinted = Some(sid);
+                                let new_socket = generation_socket != Some(sid);
+                                generation_socket = Some(sid);
                                 self.update(id, ty, |s| {
                                     let changed_node = s.node_id()
                                         != fp.node_info.as_ref().map(|n| n.node_id.as_str());
@@ -489,9 +499,21 @@ impl Registry {
                                                 .unwrap_or("-")
                                         );
                                     }
-                                    s.generation += 1;
-                                    s.info = Some(fp.info);
-                                    s.plugin_capabilities = Some(fp.plugin_caps);
+                                    let info = Some(fp.info);
+                                    let plugin_caps = Some(fp.plugin_caps);
+                                    // Counts plugin instances (a new socket)
+                                    // and changed fingerprints, not rounds.
+                                    if new_socket
+                                        || s.info != info
+                                        || s.plugin_capabilities != plugin_caps
+                                        || s.node_capabilities != fp.node_caps
+                                        || s.controller_capabilities != fp.controller_caps
+                                        || s.node_info != fp.node_info
+                                    {
+                                        s.generation += 1;
+                                    }
+                                    s.info = info;
+                                    s.plugin_capabilities = plugin_caps;
                                     s.node_capabilities = fp.node_caps;
                                     s.controller_capabilities = fp.controller_caps;
                                     s.node_info = fp.node_info;
@@ -540,14 +562,16 @@ impl Registry {
                 fast = FAST_PROBE_INITIAL;
                 // Sleep until the next probe, checking the socket for a
                 // replacement meanwhile.
-                let next_probe = Instant::now() + interval;
+                let next_probe = Instant::now().checked_add(interval);
                 let current = fingerprinted;
                 loop {
                     let now = Instant::now();
-                    if now >= next_probe {
+                    let left =
+                        next_probe.map_or(Duration::MAX, |t| t.saturating_duration_since(now));
+                    if left.is_zero() {
                         break;
                     }
-                    if !shutdown.sleep((next_probe - now).min(SOCKET_CHECK_INTERVAL)) {
+                    if !shutdown.sleep(left.min(SOCKET_CHECK_INTERVAL)) {
                         return;
                     }
                     if socket_identity(client.socket()).ok() != current {
@@ -614,10 +638,15 @@ fn fingerprint(client: &CsiClient, ty: PluginType) -> Result<Fingerprint, CsiErr
     })
 }
 
-/// (device, inode) of the socket file, or why it cannot be used.
-fn socket_identity(path: &Path) -> Result<(u64, u64), String> {
+/// Identity of a socket file: device, inode and change time. A restarted
+/// plugin recreates its socket; file systems such as ext4 often hand the
+/// new file the old inode number, so the change time is part of it.
+type SocketId = (u64, u64, i64, i64);
+
+/// The socket file's identity, or why it cannot be used.
+fn socket_identity(path: &Path) -> Result<SocketId, String> {
     match std::fs::metadata(path) {
-        Ok(m) if m.file_type().is_socket() => Ok((m.dev(), m.ino())),
+        Ok(m) if m.file_type().is_socket() => Ok((m.dev(), m.ino(), m.ctime(), m.ctime_nsec())),
         Ok(_) => Err(format!("{} is not a socket", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             Err(format!("socket {} does not exist", path.display()))

@@ -1,0 +1,1532 @@
+//! The claim lifecycle end to end at library level: `Manager` against the
+//! real test plugin process over a real unix socket, with real bind mounts.
+//! Every test asserts the exact lifecycle calls the plugin received (order,
+//! counts, node IDs, paths), the mounts in /proc/self/mountinfo, and the
+//! state file and claim list.
+
+mod common;
+mod lifecycle_support;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::thread;
+
+use claimd::claims::{Claim, ClaimError, ClaimMode, ClaimState};
+use claimd::hook::{
+    MountError, MountedVolume, ReleaseError, ReleaseStart, ReleaseState, RestoreReport,
+    VolumeRegistryError,
+};
+use claimd::plugins::PluginKind;
+use claimd::state::{Phase, StateError, StateStore};
+use claimd::volumes::AccessMode;
+use common::*;
+use lifecycle_support::*;
+use serde_json::{json, Value};
+
+const SNW: &str = "rw-file-system-single-node-writer";
+
+fn mount_points_under(root: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = mounts_under(root)
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    v.sort();
+    v
+}
+
+fn sorted(mut v: Vec<PathBuf>) -> Vec<PathBuf> {
+    v.sort();
+    v
+}
+
+/// What a mount root holds once everything is released: the two fixed
+/// directories, empty.
+fn released_tree() -> Vec<String> {
+    vec!["per-alloc".to_string(), "staging".to_string()]
+}
+
+/// Lifecycle calls grouped by external volume ID, as (method, code).
+fn per_volume(calls: &[(String, String, String)]) -> BTreeMap<String, Vec<(String, String)>> {
+    let mut m: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+    for (method, vol, code) in calls {
+        m.entry(vol.clone())
+            .or_default()
+            .push((method.clone(), code.clone()));
+    }
+    m
+}
+
+fn ok(methods: &[&str]) -> Vec<(String, String)> {
+    methods
+        .iter()
+        .map(|m| (m.to_string(), "OK".to_string()))
+        .collect()
+}
+
+fn full_claim(volume: &str, alloc: &str, mode: ClaimMode, access_mode: AccessMode) -> Claim {
+    Claim {
+        volume_id: volume.to_string(),
+        alloc_id: alloc.to_string(),
+        node: NODE_NAME.to_string(),
+        mode,
+        access_mode,
+        external_node_id: Some(PLUGIN_NODE_ID.to_string()),
+        publish_context: publish_context(volume, PLUGIN_NODE_ID),
+        state: ClaimState::Taken,
+    }
+}
+
+/// Asserts the details of one volume's ControllerPublish, NodeStage and
+/// NodePublish records.
+fn assert_up_details(calls: &[&Value], volume: &str, staging: &Path, target: &Path, ro: bool) {
+    let [cp, ns, np] = calls else {
+        panic!("expected three calls, got {calls:?}");
+    };
+    let ctx = json!(publish_context(volume, PLUGIN_NODE_ID));
+    let vctx = json!({ "origin": format!("ctx-{volume}") });
+    assert_eq!(cp["method"], CP);
+    assert_eq!(cp["volume_id"], external_id(volume));
+    assert_eq!(cp["node_id"], PLUGIN_NODE_ID);
+    // The test plugin does not advertise PUBLISH_READONLY.
+    assert_eq!(cp["readonly"], false);
+    assert_eq!(cp["secret_keys"], json!(["token"]));
+    assert_eq!(cp["volume_context"], vctx);
+    assert_eq!(ns["method"], NS);
+    assert_eq!(ns["volume_id"], external_id(volume));
+    assert_eq!(ns["staging_target_path"], path_str(staging));
+    assert_eq!(ns["publish_context"], ctx);
+    assert_eq!(ns["volume_context"], vctx);
+    assert_eq!(ns["secret_keys"], json!(["token"]));
+    assert_eq!(np["method"], NP);
+    assert_eq!(np["volume_id"], external_id(volume));
+    assert_eq!(np["staging_target_path"], path_str(staging));
+    assert_eq!(np["target_path"], path_str(target));
+    assert_eq!(np["readonly"], ro);
+    assert_eq!(np["publish_context"], ctx);
+    assert_eq!(np["volume_context"], vctx);
+}
+
+/// Asserts the details of one volume's NodeUnpublish, NodeUnstage and
+/// ControllerUnpublish records.
+fn assert_down_details(calls: &[&Value], volume: &str, staging: &Path, target: &Path, node: &str) {
+    let [nu, nus, cu] = calls else {
+        panic!("expected three calls, got {calls:?}");
+    };
+    assert_eq!(nu["method"], NU);
+    assert_eq!(nu["volume_id"], external_id(volume));
+    assert_eq!(nu["target_path"], path_str(target));
+    assert_eq!(nus["method"], NUS);
+    assert_eq!(nus["volume_id"], external_id(volume));
+    assert_eq!(nus["staging_target_path"], path_str(staging));
+    assert_eq!(cu["method"], CU);
+    assert_eq!(cu["volume_id"], external_id(volume));
+    assert_eq!(cu["node_id"], node);
+    assert_eq!(cu["secret_keys"], json!(["token"]));
+}
+
+/// Everything released: no record, no claim, no mount, no attachment,
+/// only the fixed directories under the mount root.
+fn assert_all_released(h: &Harness) {
+    assert_all_released_leaving(h, &released_tree());
+}
+
+/// As `assert_all_released`, with the directories expected to be left
+/// under the mount root.
+fn assert_all_released_leaving(h: &Harness, tree: &[String]) {
+    let st = h.state_on_disk();
+    assert!(st.allocs.is_empty(), "records left: {:?}", st.allocs);
+    assert!(st.claims.is_empty(), "claims left: {:?}", st.claims);
+    assert!(h.m().claims().list().is_empty());
+    assert!(h.m().list_allocs().is_empty());
+    assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
+    assert_eq!(h.tree(), tree);
+    assert_eq!(h.attachments(), BTreeMap::new());
+}
+
+fn released(aliases: &[&str]) -> BTreeMap<String, ReleaseState> {
+    aliases
+        .iter()
+        .map(|a| (a.to_string(), ReleaseState::Released))
+        .collect()
+}
+
+// ---- 1. Mount and release ------------------------------------------------
+
+#[test]
+fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let target = h.target("a1", "v", SNW);
+    let staging = h.staging("v", SNW);
+
+    let mounted = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    assert_eq!(
+        mounted,
+        vec![MountedVolume {
+            alias: "data".into(),
+            volume_id: "v".into(),
+            host_path: target.clone(),
+            read_only: false,
+            block: false,
+        }]
+    );
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_up_details(
+        &calls.iter().collect::<Vec<_>>(),
+        "v",
+        &staging,
+        &target,
+        false,
+    );
+    assert!(!h.plugin.call_log().raw().contains(SECRET), "secret logged");
+
+    // Exactly the staging and target mounts, both of the volume, read-write.
+    assert_eq!(
+        mount_points_under(&h.mount_root),
+        sorted(vec![staging.clone(), target.clone()])
+    );
+    for p in [&staging, &target] {
+        let m = mount_at(p).expect("mounted");
+        assert!(!m.read_only(), "{m:?}");
+        assert!(
+            m.root.ends_with(format!("volumes/{}", external_id("v"))),
+            "{m:?}"
+        );
+        assert_eq!(mounts_at(p).len(), 1, "stacked mounts at {}", p.display());
+    }
+    // Data written by the workload lands in the volume.
+    fs::write(target.join("hello.txt"), b"hi").expect("write through the target");
+    let in_volume = h.plugin.volume_dir(&external_id("v")).join("hello.txt");
+    assert_eq!(fs::read(&in_volume).expect("in the volume"), b"hi");
+
+    // The durable record and claim.
+    let st = h.state_on_disk();
+    let rec = &st.allocs["a1"].volumes["data"];
+    assert_eq!(rec.phase, Phase::Published);
+    assert_eq!(rec.external_node_id.as_deref(), Some(PLUGIN_NODE_ID));
+    assert!(rec.holds_attachment && rec.holds_staging);
+    assert_eq!(rec.staging_path.as_deref(), Some(staging.as_path()));
+    assert_eq!(rec.target_path, target);
+    assert_eq!(rec.publish_context, publish_context("v", PLUGIN_NODE_ID));
+    assert!(!st.allocs["a1"].releasing);
+    let claim = full_claim("v", "a1", ClaimMode::Write, AccessMode::SingleNodeWriter);
+    assert_eq!(st.claims, vec![claim.clone()]);
+    assert_eq!(h.m().claims().list(), vec![claim]);
+    assert_eq!(h.claims().claim_calls(), 1);
+
+    // Mounting again with the same request answers the same paths and
+    // costs nothing; another request for the allocation is refused.
+    let again = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount again");
+    assert_eq!(again, mounted);
+    let busy = h
+        .m()
+        .mount("a1", &[request("data", "v", true)])
+        .expect_err("other request");
+    assert!(matches!(busy, MountError::Busy { .. }), "{busy}");
+    assert_eq!(h.lifecycle_calls().len(), 3);
+    // A claimed volume cannot be changed or deregistered.
+    let mut changed = spec("v", &[AccessMode::SingleNodeWriter]);
+    changed.external_id = "elsewhere".into();
+    assert!(matches!(
+        h.m().register_volume(changed),
+        Err(VolumeRegistryError::InUse { .. })
+    ));
+    assert!(matches!(
+        h.m().deregister_volume("v"),
+        Err(VolumeRegistryError::InUse { .. })
+    ));
+
+    assert_eq!(h.m().release("a1").expect("release"), ReleaseStart::Started);
+    assert!(h.m().wait_released("a1", WAIT), "release did not end");
+    assert_eq!(h.m().release_status("a1"), released(&["data"]));
+    assert_eq!(
+        h.calls_since(3),
+        ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_down_details(
+        &calls[3..].iter().collect::<Vec<_>>(),
+        "v",
+        &staging,
+        &target,
+        PLUGIN_NODE_ID,
+    );
+    assert_all_released(&h);
+    assert_eq!(h.claims().release_calls(), 1);
+    // The data stays in the volume; releasing again finds nothing.
+    assert!(in_volume.exists());
+    assert_eq!(h.m().release("a1").expect("again"), ReleaseStart::NotFound);
+    assert_eq!(h.lifecycle_calls().len(), 6);
+}
+
+#[test]
+fn read_only_request_gives_a_read_only_mount() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let usage = "ro-file-system-single-node-writer";
+    let target = h.target("a1", "v", usage);
+    let staging = h.staging("v", usage);
+
+    let mounted = h
+        .m()
+        .mount("a1", &[request("data", "v", true)])
+        .expect("mount");
+    assert_eq!(mounted.len(), 1);
+    assert!(mounted[0].read_only);
+    assert_eq!(mounted[0].host_path, target);
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_up_details(
+        &calls.iter().collect::<Vec<_>>(),
+        "v",
+        &staging,
+        &target,
+        true,
+    );
+
+    let m = mount_at(&target).expect("target mounted");
+    assert!(m.read_only(), "target mount options: {}", m.options);
+    let e = fs::write(target.join("x"), b"x").expect_err("writing a read-only mount");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    assert_eq!(
+        h.m().claims().list(),
+        vec![full_claim(
+            "v",
+            "a1",
+            ClaimMode::Read,
+            AccessMode::SingleNodeWriter
+        )]
+    );
+
+    h.m().release("a1").expect("release");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(
+        h.calls_since(3),
+        ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    assert_all_released(&h);
+}
+
+// ---- 2. A final claim error ------------------------------------------------
+
+#[test]
+fn final_claim_error_mounts_nothing_and_claims_nothing() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.claims().refuse("the volume's quota is exhausted");
+
+    let err = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect_err("the claim is refused");
+    match &err {
+        MountError::Claim {
+            alias,
+            source: ClaimError::Impossible { volume_id, reason },
+        } => {
+            assert_eq!(alias, "data");
+            assert_eq!(volume_id, "v");
+            assert_eq!(reason, "the volume's quota is exhausted");
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert!(claimd::error_chain(&err).contains("quota is exhausted"));
+    // A final error is not retried.
+    assert_eq!(h.claims().claim_calls(), 1);
+    assert_eq!(h.lifecycle_calls(), Vec::<Value>::new());
+    let st = h.state_on_disk();
+    assert!(st.allocs.is_empty(), "{:?}", st.allocs);
+    assert!(st.claims.is_empty());
+    assert!(h.m().claims().list().is_empty());
+    assert!(h.m().list_allocs().is_empty());
+    assert_eq!(h.tree(), Vec::<String>::new());
+    assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
+    assert_eq!(h.attachments(), BTreeMap::new());
+}
+
+// ---- 3. A claim held by another allocation ---------------------------------
+
+#[test]
+fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let t1 = h.target("a1", "v", SNW);
+    let t2 = h.target("a2", "v", SNW);
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount a1");
+
+    let m = h.m().clone();
+    let waiter = thread::spawn(move || m.mount("a2", &[request("data", "v", false)]));
+    wait_until(WAIT, "a2 to report a1's claim", || {
+        h.m().alloc_status("a2").is_some_and(|s| {
+            s.volumes.len() == 1
+                && s.volumes[0]
+                    .message
+                    .contains("volume v is claimed for writing by allocation a1 on node node-1")
+        })
+    });
+    let st = h.m().alloc_status("a2").expect("a2 recorded");
+    assert_eq!(st.volumes[0].phase, Some(Phase::Claiming));
+    assert!(!waiter.is_finished(), "a2's mount returned early");
+    // Nothing was sent for a2, nothing claimed for it.
+    assert_eq!(h.lifecycle_calls().len(), 3);
+    assert_eq!(
+        h.m().claims().list(),
+        vec![full_claim(
+            "v",
+            "a1",
+            ClaimMode::Write,
+            AccessMode::SingleNodeWriter
+        )]
+    );
+    assert!(h.claims().claim_calls() >= 2, "the claim was not retried");
+
+    h.m().release("a1").expect("release a1");
+    assert!(h.m().wait_released("a1", WAIT));
+    let mounted = waiter
+        .join()
+        .expect("mount thread")
+        .expect("a2 gets the volume");
+    assert_eq!(mounted[0].host_path, t2);
+
+    // a1's teardown completes before a2's first call.
+    assert_eq!(
+        h.calls_since(3),
+        ok_calls(&[
+            (NU, "v"),
+            (NUS, "v"),
+            (CU, "v"),
+            (CP, "v"),
+            (NS, "v"),
+            (NP, "v")
+        ])
+    );
+    let calls = h.lifecycle_calls();
+    assert_eq!(calls[3]["target_path"], path_str(&t1));
+    assert_eq!(calls[8]["target_path"], path_str(&t2));
+    assert_eq!(
+        mount_points_under(&h.mount_root),
+        sorted(vec![h.staging("v", SNW), t2])
+    );
+    assert_eq!(
+        h.m().claims().list(),
+        vec![full_claim(
+            "v",
+            "a2",
+            ClaimMode::Write,
+            AccessMode::SingleNodeWriter
+        )]
+    );
+    let st = h.m().alloc_status("a2").expect("a2");
+    assert_eq!(st.volumes[0].phase, Some(Phase::Published));
+    assert_eq!(st.volumes[0].message, "");
+    assert!(!h.state_on_disk().allocs.contains_key("a1"));
+}
+
+#[test]
+fn releasing_an_allocation_that_waits_for_a_claim_leaks_no_claim() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount a1");
+    let m = h.m().clone();
+    let waiter = thread::spawn(move || m.mount("a2", &[request("data", "v", false)]));
+    wait_until(WAIT, "a2 to wait for a1's claim", || {
+        h.m()
+            .alloc_status("a2")
+            .is_some_and(|s| s.volumes[0].message.contains("claimed for writing"))
+    });
+    // The orchestrator gives up on a2 while it waits, then a1 goes.
+    assert_eq!(
+        h.m().release("a2").expect("release a2"),
+        ReleaseStart::Started
+    );
+    assert!(h.m().wait_released("a2", WAIT));
+    h.m().release("a1").expect("release a1");
+    assert!(h.m().wait_released("a1", WAIT));
+    match waiter.join().expect("mount thread") {
+        Err(MountError::Busy { alloc_id, why }) => {
+            assert_eq!(alloc_id, "a2");
+            assert_eq!(why, "is being released");
+        }
+        other => panic!("a2's mount after its release: {other:?}"),
+    }
+    assert!(h.m().wait_released("a2", WAIT));
+
+    // Only a1's calls; no claim, record or mount left behind for a2.
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[
+            (CP, "v"),
+            (NS, "v"),
+            (NP, "v"),
+            (NU, "v"),
+            (NUS, "v"),
+            (CU, "v")
+        ])
+    );
+    assert_all_released(&h);
+}
+
+// ---- 4. Two allocations, one staged volume -------------------------------------
+
+#[test]
+fn two_allocations_share_one_staging_and_one_attachment() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
+    let usage = "rw-file-system-multi-node-multi-writer";
+    let staging = h.staging("v", usage);
+    let (t1, t2) = (h.target("a1", "v", usage), h.target("a2", "v", usage));
+
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("a1");
+    h.m()
+        .mount("a2", &[request("data", "v", false)])
+        .expect("a2");
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v"), (NP, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_eq!(calls[2]["target_path"], path_str(&t1));
+    assert_eq!(calls[3]["target_path"], path_str(&t2));
+    assert_eq!(calls[3]["staging_target_path"], path_str(&staging));
+    assert_eq!(
+        calls[3]["publish_context"],
+        json!(publish_context("v", PLUGIN_NODE_ID))
+    );
+    assert_eq!(
+        mount_points_under(&h.mount_root),
+        sorted(vec![staging.clone(), t1.clone(), t2.clone()])
+    );
+    // The second allocation shares the attachment and the staging: its
+    // record holds both and carries the recorded node ID and context.
+    let st = h.state_on_disk();
+    let r2 = &st.allocs["a2"].volumes["data"];
+    assert!(r2.holds_attachment && r2.holds_staging);
+    assert_eq!(r2.external_node_id.as_deref(), Some(PLUGIN_NODE_ID));
+    assert_eq!(r2.publish_context, publish_context("v", PLUGIN_NODE_ID));
+    assert_eq!(
+        st.claims,
+        vec![
+            full_claim(
+                "v",
+                "a1",
+                ClaimMode::Write,
+                AccessMode::MultiNodeMultiWriter
+            ),
+            full_claim(
+                "v",
+                "a2",
+                ClaimMode::Write,
+                AccessMode::MultiNodeMultiWriter
+            ),
+        ]
+    );
+    fs::write(t1.join("shared"), b"from a1").expect("write via a1");
+    assert_eq!(
+        fs::read(t2.join("shared")).expect("read via a2"),
+        b"from a1"
+    );
+
+    // The first release only unpublishes.
+    h.m().release("a1").expect("release a1");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(h.calls_since(4), ok_calls(&[(NU, "v")]));
+    assert_eq!(h.lifecycle_calls()[4]["target_path"], path_str(&t1));
+    assert_eq!(
+        mount_points_under(&h.mount_root),
+        sorted(vec![staging.clone(), t2.clone()])
+    );
+    assert!(!h.mount_root.join("per-alloc/a1").exists());
+    assert_eq!(
+        h.attachments(),
+        BTreeMap::from([(external_id("v"), vec![PLUGIN_NODE_ID.to_string()])])
+    );
+    assert_eq!(
+        h.m().claims().list(),
+        vec![full_claim(
+            "v",
+            "a2",
+            ClaimMode::Write,
+            AccessMode::MultiNodeMultiWriter
+        )]
+    );
+    assert_eq!(
+        fs::read(t2.join("shared")).expect("a2 still reads"),
+        b"from a1"
+    );
+
+    // The last one tears everything down.
+    h.m().release("a2").expect("release a2");
+    assert!(h.m().wait_released("a2", WAIT));
+    assert_eq!(
+        h.calls_since(5),
+        ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_down_details(
+        &calls[5..].iter().collect::<Vec<_>>(),
+        "v",
+        &staging,
+        &t2,
+        PLUGIN_NODE_ID,
+    );
+    assert_all_released(&h);
+}
+
+// ---- 5 and 6. Restore ------------------------------------------------------------
+
+/// a1: `data` -> v (single-node-writer), `shared` -> w; a2: `shared` -> w
+/// (multi-node-multi-writer). Returns the five mount points.
+fn mount_two_allocations(h: &Harness) -> Vec<PathBuf> {
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.register(spec("w", &[AccessMode::MultiNodeMultiWriter]));
+    let mnmw = "rw-file-system-multi-node-multi-writer";
+    h.m()
+        .mount(
+            "a1",
+            &[request("data", "v", false), request("shared", "w", false)],
+        )
+        .expect("mount a1");
+    h.m()
+        .mount("a2", &[request("shared", "w", false)])
+        .expect("mount a2");
+    let points = sorted(vec![
+        h.staging("v", SNW),
+        h.staging("w", mnmw),
+        h.target("a1", "v", SNW),
+        h.target("a1", "w", mnmw),
+        h.target("a2", "w", mnmw),
+    ]);
+    assert_eq!(mount_points_under(&h.mount_root), points);
+    assert_eq!(
+        per_volume(&h.calls_since(0)),
+        BTreeMap::from([
+            (external_id("v"), ok(&[CP, NS, NP])),
+            (external_id("w"), ok(&[CP, NS, NP, NP])),
+        ])
+    );
+    points
+}
+
+fn assert_all_published(h: &Harness) {
+    for (alloc, n) in [("a1", 2), ("a2", 1)] {
+        let st = h.m().alloc_status(alloc).expect("recorded");
+        assert!(!st.releasing);
+        assert_eq!(st.volumes.len(), n);
+        for v in &st.volumes {
+            assert_eq!(v.phase, Some(Phase::Published), "{alloc}/{}", v.alias);
+        }
+        assert_eq!(h.m().mounted(alloc).len(), n);
+    }
+}
+
+/// Releases both allocations of `mount_two_allocations` and checks the
+/// usage counts rebuilt from the state: only the last user unstages and
+/// detaches.
+fn release_two_allocations(h: &Harness, skip: usize) {
+    h.m().release("a1").expect("release a1");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(
+        per_volume(&h.calls_since(skip)),
+        BTreeMap::from([
+            (external_id("v"), ok(&[NU, NUS, CU])),
+            (external_id("w"), ok(&[NU])),
+        ])
+    );
+    h.m().release("a2").expect("release a2");
+    assert!(h.m().wait_released("a2", WAIT));
+    assert_eq!(
+        per_volume(&h.calls_since(skip + 4)),
+        BTreeMap::from([(external_id("w"), ok(&[NU, NUS, CU]))])
+    );
+    assert_all_released(h);
+}
+
+#[test]
+fn restore_with_everything_mounted_costs_no_call_and_no_claim() {
+    let mut h = Harness::new();
+    let points = mount_two_allocations(&h);
+    let ids_before: Vec<(u64, PathBuf)> = mounts_under(&h.mount_root)
+        .into_iter()
+        .map(|m| (m.mount_id, m.mount_point))
+        .collect();
+    let state_before = h.state_on_disk();
+    let n = h.lifecycle_calls().len();
+
+    let report = h.restart();
+    assert_eq!(
+        report,
+        RestoreReport {
+            intact: 3,
+            remounted: 0,
+            mounts_finished: 0,
+            in_background: 0,
+            releases_resumed: 0,
+            errors: vec![],
+        }
+    );
+    assert_eq!(h.calls_since(n), vec![]);
+    assert_eq!(h.claims().claim_calls(), 0);
+    assert_eq!(h.claims().release_calls(), 0);
+    // The very same mounts (same mount IDs), and the same state.
+    let ids_after: Vec<(u64, PathBuf)> = mounts_under(&h.mount_root)
+        .into_iter()
+        .map(|m| (m.mount_id, m.mount_point))
+        .collect();
+    assert_eq!(ids_after, ids_before);
+    assert_eq!(mount_points_under(&h.mount_root), points);
+    assert_eq!(h.state_on_disk(), state_before);
+    assert_all_published(&h);
+    // Mounting a restored allocation again answers at once, no call.
+    let again = h
+        .m()
+        .mount(
+            "a1",
+            &[request("data", "v", false), request("shared", "w", false)],
+        )
+        .expect("mount again");
+    assert_eq!(again.len(), 2);
+    assert_eq!(h.calls_since(n), vec![]);
+    assert_eq!(h.claims().claim_calls(), 0);
+
+    release_two_allocations(&h, n);
+}
+
+#[test]
+fn restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims() {
+    let mut h = Harness::new();
+    let points = mount_two_allocations(&h);
+    let claims_before = h.state_on_disk().claims;
+    let n = h.lifecycle_calls().len();
+
+    let report = h.reboot("boot-2");
+    assert_eq!(
+        report,
+        RestoreReport {
+            intact: 0,
+            remounted: 3,
+            mounts_finished: 2,
+            in_background: 0,
+            releases_resumed: 0,
+            errors: vec![],
+        }
+    );
+    // One NodeStage per staged volume (w is shared by two allocations),
+    // one NodePublish per target, no ControllerPublish, no claim.
+    assert_eq!(
+        per_volume(&h.calls_since(n)),
+        BTreeMap::from([
+            (external_id("v"), ok(&[NS, NP])),
+            (external_id("w"), ok(&[NS, NP, NP])),
+        ])
+    );
+    assert_eq!(h.claims().claim_calls(), 0);
+    assert_eq!(mount_points_under(&h.mount_root), points);
+    for p in &points {
+        assert_eq!(mounts_at(p).len(), 1, "{}", p.display());
+    }
+    let st = h.state_on_disk();
+    assert_eq!(st.boot_id, "boot-2");
+    assert_eq!(st.claims, claims_before);
+    assert_all_published(&h);
+
+    let n = h.lifecycle_calls().len();
+    release_two_allocations(&h, n);
+}
+
+// ---- 7. Restore from every in-flight phase -----------------------------------
+
+/// The state a crash leaves when the agent died in `phase`, the phase's
+/// call having reached the plugin (`happened`) or not, crafted from a
+/// real mount of a1/data -> v by undoing what had not happened yet.
+fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
+    let target = h.target("a1", "v", SNW);
+    let staging = h.staging("v", SNW);
+    use Phase::*;
+    let target_mounted = matches!(
+        (phase, happened),
+        (Publishing, true) | (Unpublishing, false)
+    );
+    if !target_mounted {
+        umount(&target);
+        // The plugin created the target and removes it on unpublish.
+        fs::remove_dir(&target).expect("remove the target");
+    }
+    // The agent creates the target's parents before NodePublish and
+    // removes them after NodeUnpublish.
+    if !matches!(phase, Publishing | Unpublishing) {
+        remove_empty_dirs(&h.mount_root.join("per-alloc/a1"));
+    }
+    let staging_mounted = matches!(
+        (phase, happened),
+        (Staging, true) | (Publishing, _) | (Unpublishing, _) | (Unstaging, false)
+    );
+    if !staging_mounted {
+        umount(&staging);
+    }
+    // The agent creates the staging directory before NodeStage and
+    // removes it after NodeUnstage.
+    if !matches!(phase, Staging | Publishing | Unpublishing | Unstaging) {
+        remove_empty_dirs(&h.mount_root.join("staging").join(PLUGIN));
+    }
+    let attached = match phase {
+        Claiming | ReleasingClaim => false,
+        ControllerPublishing => happened,
+        ControllerUnpublishing => !happened,
+        _ => true,
+    };
+    if !attached {
+        h.forget_attachment("v");
+    }
+    let claim_held = match phase {
+        Claiming => happened,
+        ReleasingClaim => !happened,
+        _ => true,
+    };
+    h.edit_state(|s| {
+        let a = s.allocs.get_mut("a1").expect("a1");
+        a.releasing = phase.is_teardown();
+        let v = a.volumes.get_mut("data").expect("data");
+        v.phase = phase;
+        match phase {
+            Claiming => {
+                v.external_node_id = None;
+                v.staging_path = None;
+                v.publish_context.clear();
+                v.holds_attachment = false;
+                v.holds_staging = false;
+            }
+            ControllerPublishing => {
+                v.publish_context.clear();
+                v.holds_staging = false;
+            }
+            ControllerUnpublishing => v.holds_staging = false,
+            ReleasingClaim => {
+                v.holds_staging = false;
+                v.holds_attachment = false;
+            }
+            _ => {}
+        }
+        if !claim_held {
+            s.claims.clear();
+        }
+        for c in &mut s.claims {
+            if matches!(phase, Claiming | ControllerPublishing) {
+                // The attachment is recorded in the claim after the call.
+                c.external_node_id = None;
+                c.publish_context.clear();
+            }
+            if phase.is_teardown() {
+                c.state = ClaimState::Releasing;
+            }
+        }
+    });
+}
+
+/// The lifecycle calls a restore must send for a crash in `phase`.
+fn calls_to_finish(phase: Phase) -> Vec<&'static str> {
+    match phase {
+        Phase::Claiming | Phase::ControllerPublishing => vec![CP, NS, NP],
+        Phase::Staging => vec![NS, NP],
+        Phase::Publishing => vec![NP],
+        Phase::Published => vec![],
+        Phase::Unpublishing => vec![NU, NUS, CU],
+        Phase::Unstaging => vec![NUS, CU],
+        Phase::ControllerUnpublishing => vec![CU],
+        Phase::ReleasingClaim => vec![],
+    }
+}
+
+fn restore_converges_from(phase: Phase, happened: bool) {
+    let case = format!("crash in {phase} (call happened: {happened})");
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let target = h.target("a1", "v", SNW);
+    let staging = h.staging("v", SNW);
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    let published = h.state_on_disk();
+    h.stop();
+    craft_crash(&h, phase, happened);
+    let n = h.lifecycle_calls().len();
+
+    h.start_again(FIRST_BOOT);
+    let report = h.m().restore();
+    assert_eq!(report.errors, Vec::<String>::new(), "{case}");
+    let want = ok_calls(
+        &calls_to_finish(phase)
+            .into_iter()
+            .map(|m| (m, "v"))
+            .collect::<Vec<_>>(),
+    );
+
+    if phase.is_teardown() {
+        assert_eq!(report.releases_resumed, 1, "{case}");
+        assert!(h.m().wait_released("a1", WAIT), "{case}: release hangs");
+        assert_eq!(h.m().release_status("a1"), released(&["data"]), "{case}");
+        assert_eq!(h.calls_since(n), want, "{case}");
+        if let Some(cu) = h.lifecycle_calls()[n..].iter().find(|c| c["method"] == CU) {
+            assert_eq!(cu["node_id"], PLUGIN_NODE_ID, "{case}");
+        }
+        assert_eq!(h.claims().claim_calls(), 0, "{case}");
+        assert_eq!(h.claims().release_calls(), 1, "{case}");
+        assert_all_released(&h);
+    } else {
+        assert_eq!(report.mounts_finished, 1, "{case}");
+        assert_eq!(h.calls_since(n), want, "{case}");
+        let claim_calls = usize::from(phase == Phase::Claiming);
+        assert_eq!(h.claims().claim_calls(), claim_calls, "{case}");
+        // Exactly one mount at each path, and the very record and claim a
+        // clean mount leaves.
+        assert_eq!(
+            mount_points_under(&h.mount_root),
+            sorted(vec![staging.clone(), target.clone()]),
+            "{case}"
+        );
+        assert_eq!(mounts_at(&target).len(), 1, "{case}");
+        assert_eq!(mounts_at(&staging).len(), 1, "{case}");
+        let st = h.state_on_disk();
+        assert_eq!(st.allocs, published.allocs, "{case}");
+        assert_eq!(st.claims, published.claims, "{case}");
+        assert_eq!(
+            h.attachments(),
+            BTreeMap::from([(external_id("v"), vec![PLUGIN_NODE_ID.to_string()])]),
+            "{case}"
+        );
+        fs::write(target.join("after-restore"), b"ok").expect("write through the target");
+        assert!(h
+            .plugin
+            .volume_dir(&external_id("v"))
+            .join("after-restore")
+            .exists());
+        // And it still releases cleanly.
+        let n = h.lifecycle_calls().len();
+        h.m().release("a1").expect("release");
+        assert!(h.m().wait_released("a1", WAIT), "{case}");
+        assert_eq!(
+            h.calls_since(n),
+            ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")]),
+            "{case}"
+        );
+        assert_all_released(&h);
+    }
+}
+
+#[test]
+fn restore_converges_from_every_up_phase() {
+    for phase in [
+        Phase::Claiming,
+        Phase::ControllerPublishing,
+        Phase::Staging,
+        Phase::Publishing,
+    ] {
+        for happened in [true, false] {
+            restore_converges_from(phase, happened);
+        }
+    }
+}
+
+#[test]
+fn restore_converges_from_every_teardown_phase() {
+    for phase in [
+        Phase::Unpublishing,
+        Phase::Unstaging,
+        Phase::ControllerUnpublishing,
+        Phase::ReleasingClaim,
+    ] {
+        for happened in [true, false] {
+            restore_converges_from(phase, happened);
+        }
+    }
+}
+
+#[test]
+fn restore_after_a_reboot_converges_from_in_flight_phases() {
+    for phase in [
+        Phase::ControllerPublishing,
+        Phase::Staging,
+        Phase::Publishing,
+        Phase::Unpublishing,
+        Phase::Unstaging,
+    ] {
+        let case = format!("reboot after a crash in {phase}");
+        let mut h = Harness::new();
+        h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+        h.m()
+            .mount("a1", &[request("data", "v", false)])
+            .expect("mount");
+        let published = h.state_on_disk();
+        h.stop();
+        craft_crash(&h, phase, true);
+        let n = h.lifecycle_calls().len();
+        detach_all_under(&h.mount_root);
+        h.start_again("boot-2");
+        let report = h.m().restore();
+        assert_eq!(report.errors, Vec::<String>::new(), "{case}");
+        // After a reboot nothing is staged: the way up restages.
+        let want = match phase {
+            Phase::ControllerPublishing => vec![CP, NS, NP],
+            Phase::Staging | Phase::Publishing => vec![NS, NP],
+            other => calls_to_finish(other),
+        };
+        let want = ok_calls(&want.into_iter().map(|m| (m, "v")).collect::<Vec<_>>());
+        if phase.is_teardown() {
+            assert!(h.m().wait_released("a1", WAIT), "{case}");
+            assert_eq!(h.calls_since(n), want, "{case}");
+            assert_all_released(&h);
+        } else {
+            assert_eq!(h.calls_since(n), want, "{case}");
+            let st = h.state_on_disk();
+            assert_eq!(st.allocs, published.allocs, "{case}");
+            assert_eq!(st.boot_id, "boot-2");
+            assert_eq!(
+                mount_points_under(&h.mount_root),
+                sorted(vec![h.staging("v", SNW), h.target("a1", "v", SNW)]),
+                "{case}"
+            );
+        }
+    }
+}
+
+// ---- 8. Retried NodeUnpublish; controller detach last, recorded node ID ----
+
+#[test]
+fn failing_node_unpublish_is_retried_and_detach_comes_last() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    h.plugin.faults().set(json!([{
+        "method": NU, "action": "fail", "code": "UNAVAILABLE",
+        "message": "plugin busy", "count": 3
+    }]));
+
+    h.m().release("a1").expect("release");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(h.m().release_status("a1"), released(&["data"]));
+    let codes: Vec<(String, String)> = h.plugin.call_log().methods_and_codes();
+    let codes: Vec<(&str, &str)> = codes
+        .iter()
+        .filter(|(m, _)| LIFECYCLE_METHODS.contains(&m.as_str()))
+        .map(|(m, c)| (m.as_str(), c.as_str()))
+        .collect();
+    assert_eq!(
+        codes,
+        vec![
+            (CP, "OK"),
+            (NS, "OK"),
+            (NP, "OK"),
+            (NU, "UNAVAILABLE"),
+            (NU, "UNAVAILABLE"),
+            (NU, "UNAVAILABLE"),
+            (NU, "OK"),
+            (NUS, "OK"),
+            (CU, "OK"),
+        ]
+    );
+    let calls = h.lifecycle_calls();
+    assert_eq!(calls[8]["node_id"], PLUGIN_NODE_ID);
+    assert_eq!(h.plugin.faults().rules(), Vec::<Value>::new());
+    assert_all_released(&h);
+}
+
+#[test]
+fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node_id() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let target = h.target("a1", "v", SNW);
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+
+    h.plugin.kill();
+    let reg = h.registry().clone();
+    wait_until(WAIT, "the registry to see the plugin gone", || {
+        reg.get_ready(PLUGIN, PluginKind::Node).is_none()
+    });
+    assert_eq!(h.m().release("a1").expect("release"), ReleaseStart::Started);
+    wait_until(WAIT, "the release to report it is retrying", || {
+        matches!(
+            h.m().release_status("a1").get("data"),
+            Some(ReleaseState::Retrying { .. })
+        )
+    });
+    let Some(ReleaseState::Retrying { error, .. }) = h.m().release_status("a1").remove("data")
+    else {
+        unreachable!("checked above");
+    };
+    assert!(error.contains(PLUGIN), "{error}");
+    // Nothing was torn down without the plugin.
+    assert!(is_mount_point(&target));
+    assert_eq!(h.lifecycle_calls().len(), 3);
+    let st = h.state_on_disk();
+    assert_eq!(st.allocs["a1"].volumes["data"].phase, Phase::Unpublishing);
+    assert_eq!(st.claims.len(), 1);
+    assert_eq!(st.claims[0].state, ClaimState::Releasing);
+
+    // The plugin comes back under another node ID.
+    h.replace_plugin(|b| b.node_id("node-b"));
+    assert!(h.m().wait_released("a1", WAIT), "release did not end");
+    assert_eq!(h.m().release_status("a1"), released(&["data"]));
+    assert_eq!(
+        h.calls_since(3),
+        ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    assert_down_details(
+        &calls[3..].iter().collect::<Vec<_>>(),
+        "v",
+        &h.staging("v", SNW),
+        &target,
+        PLUGIN_NODE_ID,
+    );
+    let node = h
+        .registry()
+        .get_ready(PLUGIN, PluginKind::Node)
+        .expect("plugin ready");
+    assert_eq!(node.node_id(), Some("node-b"));
+    assert_all_released(&h);
+}
+
+// ---- 9. Ten volumes, one stuck ------------------------------------------------
+
+#[test]
+fn one_stuck_volume_does_not_hold_back_the_other_nine() {
+    let h = Harness::new();
+    let vols: Vec<String> = (0..10).map(|i| format!("v{i}")).collect();
+    for v in &vols {
+        h.register(spec(v, &[AccessMode::SingleNodeWriter]));
+    }
+    let reqs: Vec<_> = vols
+        .iter()
+        .enumerate()
+        .map(|(i, v)| request(&format!("d{i}"), v, false))
+        .collect();
+    let mounted = h.m().mount("a1", &reqs).expect("mount ten");
+    assert_eq!(mounted.len(), 10);
+    assert_eq!(mount_points_under(&h.mount_root).len(), 20);
+    h.plugin.faults().set(json!([{
+        "method": NU, "volume_id": external_id("v9"), "action": "fail",
+        "code": "UNAVAILABLE", "message": "device busy"
+    }]));
+    let n = h.lifecycle_calls().len();
+    assert_eq!(n, 30);
+
+    h.m().release("a1").expect("release");
+    let nine: Vec<String> = (0..9).map(|i| format!("d{i}")).collect();
+    wait_until(WAIT, "nine released and d9 retrying", || {
+        let st = h.m().release_status("a1");
+        nine.iter()
+            .all(|a| st.get(a) == Some(&ReleaseState::Released))
+            && matches!(st.get("d9"), Some(ReleaseState::Retrying { attempts, .. }) if *attempts >= 2)
+    });
+    let status = h.m().release_status("a1");
+    assert_eq!(status.len(), 10);
+    match &status["d9"] {
+        ReleaseState::Retrying { error, attempts } => {
+            assert_eq!(
+                error, "NodeUnpublishVolume failed: UNAVAILABLE: device busy",
+                "after {attempts} attempts"
+            );
+        }
+        other => panic!("d9: {other:?}"),
+    }
+    // What is left is exactly the stuck volume.
+    let st = h.state_on_disk();
+    let left: Vec<&String> = st.allocs["a1"].volumes.keys().collect();
+    assert_eq!(left, vec!["d9"]);
+    assert_eq!(st.allocs["a1"].volumes["d9"].phase, Phase::Unpublishing);
+    assert_eq!(st.claims.len(), 1);
+    assert_eq!(st.claims[0].volume_id, "v9");
+    assert_eq!(st.claims[0].state, ClaimState::Releasing);
+    assert_eq!(
+        mount_points_under(&h.mount_root),
+        sorted(vec![h.staging("v9", SNW), h.target("a1", "v9", SNW)])
+    );
+    assert_eq!(
+        h.attachments(),
+        BTreeMap::from([(external_id("v9"), vec![PLUGIN_NODE_ID.to_string()])])
+    );
+    let by_volume = per_volume(&h.calls_since(n));
+    for v in &vols[..9] {
+        assert_eq!(by_volume[&external_id(v)], ok(&[NU, NUS, CU]), "{v}");
+    }
+    let stuck = &by_volume[&external_id("v9")];
+    assert!(stuck.len() >= 2, "{stuck:?}");
+    assert!(stuck
+        .iter()
+        .all(|c| *c == (NU.to_string(), "UNAVAILABLE".to_string())));
+
+    h.plugin.faults().clear();
+    assert!(h.m().wait_released("a1", WAIT), "d9 did not finish");
+    let all: Vec<String> = (0..10).map(|i| format!("d{i}")).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    assert_eq!(h.m().release_status("a1"), released(&all));
+    let stuck = &per_volume(&h.calls_since(n))[&external_id("v9")];
+    let k = stuck.len();
+    assert_eq!(&stuck[k - 3..], ok(&[NU, NUS, CU]).as_slice());
+    assert!(stuck[..k - 3]
+        .iter()
+        .all(|c| *c == (NU.to_string(), "UNAVAILABLE".to_string())));
+    assert_all_released(&h);
+}
+
+// ---- 10. A corrupt state file ------------------------------------------------
+
+#[test]
+fn corrupt_state_file_is_refused_named_and_left_untouched() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    h.stop();
+    let path = h.state_path();
+    let good = fs::read(&path).expect("read the state file");
+    let mounts = mount_points_under(&h.mount_root);
+    let torn = good[..good.len() / 2].to_vec();
+    for bytes in [torn, b"{not json".to_vec(), Vec::new()] {
+        fs::write(&path, &bytes).expect("write");
+        let err = StateStore::open_with_boot_id(&h.state_dir, FIRST_BOOT)
+            .err()
+            .expect("a corrupt state file is refused");
+        match &err {
+            StateError::Corrupt { path: p, .. } => assert_eq!(p, &path),
+            other => panic!("unexpected error {other:?}"),
+        }
+        let msg = claimd::error_chain(&err);
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert!(msg.contains("corrupt"), "{msg}");
+        assert_eq!(fs::read(&path).expect("read"), bytes, "file changed");
+        assert_eq!(mount_points_under(&h.mount_root), mounts);
+    }
+    // The good file still works.
+    fs::write(&path, &good).expect("write back");
+    h.start_again(FIRST_BOOT);
+    assert_eq!(h.m().restore().intact, 1);
+}
+
+// ---- 11. IDs that could escape a directory ----------------------------------
+
+#[test]
+fn bad_ids_are_refused_before_anything_touches_the_disk() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let state_before = fs::read(h.state_path()).expect("state");
+    let long = "x".repeat(129);
+    let bad = [
+        "a/b",
+        "..",
+        ".",
+        "../../etc",
+        "a\0b",
+        "/abs",
+        "",
+        long.as_str(),
+    ];
+    for id in bad {
+        let e = h
+            .m()
+            .mount(id, &[request("data", "v", false)])
+            .expect_err("bad allocation ID");
+        assert!(matches!(e, MountError::Invalid(_)), "{id:?}: {e}");
+        assert!(e.to_string().contains("invalid allocation ID"), "{e}");
+        let e = h
+            .m()
+            .mount("a1", &[request(id, "v", false)])
+            .expect_err("bad alias");
+        assert!(e.to_string().contains("invalid alias ID"), "{id:?}: {e}");
+        let e = h
+            .m()
+            .mount("a1", &[request("data", id, false)])
+            .expect_err("bad volume ID");
+        assert!(e.to_string().contains("invalid volume ID"), "{id:?}: {e}");
+        let e = h
+            .m()
+            .register_volume(spec(id, &[AccessMode::SingleNodeWriter]))
+            .expect_err("bad volume ID");
+        assert!(matches!(e, VolumeRegistryError::Invalid(_)), "{id:?}: {e}");
+        let mut s = spec("ok", &[AccessMode::SingleNodeWriter]);
+        s.plugin_id = id.to_string();
+        let e = h.m().register_volume(s).expect_err("bad plugin ID");
+        assert!(e.to_string().contains("invalid plugin ID"), "{id:?}: {e}");
+        let e = h.m().release(id).expect_err("bad allocation ID");
+        assert!(matches!(e, ReleaseError::Invalid(_)), "{id:?}: {e}");
+        assert!(h.m().deregister_volume(id).is_err(), "{id:?}");
+    }
+    assert_eq!(fs::read(h.state_path()).expect("state"), state_before);
+    assert_eq!(h.tree(), Vec::<String>::new());
+    assert_eq!(h.lifecycle_calls(), Vec::<Value>::new());
+    assert_eq!(h.claims().claim_calls(), 0);
+
+    // The longest valid ID works end to end.
+    let longest = "y".repeat(128);
+    let mounted = h
+        .m()
+        .mount(&longest, &[request("data", "v", false)])
+        .expect("128-byte allocation ID");
+    assert_eq!(mounted[0].host_path, h.target(&longest, "v", SNW));
+    h.m().release(&longest).expect("release");
+    assert!(h.m().wait_released(&longest, WAIT));
+    assert_all_released(&h);
+}
+
+// ---- Failed mounts roll back -------------------------------------------------
+
+#[test]
+fn final_node_publish_error_rolls_back_stage_attachment_and_claim() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.plugin.faults().set(json!([{
+        "method": NP, "action": "fail", "code": "INVALID_ARGUMENT", "message": "bad flags"
+    }]));
+    let err = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect_err("NodePublish fails");
+    match &err {
+        MountError::Csi { alias, source } => {
+            assert_eq!(alias, "data");
+            assert_eq!(source.code(), Some(grpcio::RpcStatusCode::INVALID_ARGUMENT));
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    let codes: Vec<(String, String)> = h
+        .calls_since(0)
+        .into_iter()
+        .map(|(m, _, c)| (m, c))
+        .collect();
+    assert_eq!(
+        codes,
+        vec![
+            (CP.to_string(), "OK".to_string()),
+            (NS.to_string(), "OK".to_string()),
+            (NP.to_string(), "INVALID_ARGUMENT".to_string()),
+            (NU.to_string(), "OK".to_string()),
+            (NUS.to_string(), "OK".to_string()),
+            (CU.to_string(), "OK".to_string()),
+        ]
+    );
+    assert_eq!(h.lifecycle_calls()[5]["node_id"], PLUGIN_NODE_ID);
+    assert_eq!(h.claims().claim_calls(), 1);
+    assert_eq!(h.claims().release_calls(), 1);
+    assert_all_released(&h);
+}
+
+#[test]
+fn failure_of_the_second_volume_rolls_back_the_first() {
+    let h = Harness::new();
+    h.register(spec("v1", &[AccessMode::SingleNodeWriter]));
+    h.register(spec("v2", &[AccessMode::SingleNodeWriter]));
+    h.plugin.faults().set(json!([{
+        "method": NS, "volume_id": external_id("v2"), "action": "fail",
+        "code": "INVALID_ARGUMENT"
+    }]));
+    let err = h
+        .m()
+        .mount(
+            "a1",
+            &[request("d1", "v1", false), request("d2", "v2", false)],
+        )
+        .expect_err("v2 cannot be staged");
+    assert!(
+        matches!(&err, MountError::Csi { alias, .. } if alias == "d2"),
+        "{err:?}"
+    );
+    let by_volume = per_volume(&h.calls_since(0));
+    assert_eq!(
+        by_volume[&external_id("v1")],
+        ok(&[CP, NS, NP, NU, NUS, CU])
+    );
+    assert_eq!(
+        by_volume[&external_id("v2")],
+        vec![
+            (CP.to_string(), "OK".to_string()),
+            (NS.to_string(), "INVALID_ARGUMENT".to_string()),
+            (NUS.to_string(), "OK".to_string()),
+            (CU.to_string(), "OK".to_string()),
+        ]
+    );
+    assert_all_released(&h);
+}
+
+// ---- Plugins without staging or controller -------------------------------------
+
+#[test]
+fn plugin_without_stage_or_controller_gets_only_the_calls_it_advertises() {
+    /// Plugin flags, expected up calls, expected down calls, staging used.
+    type Case<'a> = (&'a [&'a str], &'a [&'a str], &'a [&'a str], bool);
+    let cases: [Case; 3] = [
+        (&["--no-stage"], &[CP, NP], &[NU, CU], false),
+        (&["--no-controller"], &[NS, NP], &[NU, NUS], true),
+        (&["--no-stage", "--no-controller"], &[NP], &[NU], false),
+    ];
+    for (flags, up, down, staged) in cases {
+        let case = format!("plugin flags {flags:?}");
+        let h = Harness::with_plugin(|b| b.args(flags));
+        h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+        let target = h.target("a1", "v", SNW);
+        let staging = h.staging("v", SNW);
+        h.m()
+            .mount("a1", &[request("data", "v", false)])
+            .expect("mount");
+        let want: Vec<(&str, &str)> = up.iter().map(|m| (*m, "v")).collect();
+        assert_eq!(h.calls_since(0), ok_calls(&want), "{case}");
+        let np = h.lifecycle_calls().pop().expect("NodePublish");
+        assert_eq!(np["target_path"], path_str(&target), "{case}");
+        let staging_arg = if staged { path_str(&staging) } else { "" };
+        assert_eq!(np["staging_target_path"], staging_arg, "{case}");
+        let mut points = vec![target.clone()];
+        if staged {
+            points.push(staging.clone());
+        }
+        assert_eq!(mount_points_under(&h.mount_root), sorted(points), "{case}");
+        let st = h.state_on_disk();
+        let rec = &st.allocs["a1"].volumes["data"];
+        assert_eq!(rec.holds_staging, staged, "{case}");
+        assert_eq!(rec.staging_path.is_some(), staged, "{case}");
+        let controller = up.contains(&CP);
+        assert_eq!(rec.holds_attachment, controller, "{case}");
+        assert_eq!(rec.external_node_id.is_some(), controller, "{case}");
+
+        let n = h.lifecycle_calls().len();
+        h.m().release("a1").expect("release");
+        assert!(h.m().wait_released("a1", WAIT), "{case}");
+        let want: Vec<(&str, &str)> = down.iter().map(|m| (*m, "v")).collect();
+        assert_eq!(h.calls_since(n), ok_calls(&want), "{case}");
+        let mut tree = vec!["per-alloc".to_string()];
+        if staged {
+            tree.push("staging".to_string());
+        }
+        assert_all_released_leaving(&h, &tree);
+    }
+}
+
+// ---- A release while a mount's call is in flight ------------------------------
+
+#[test]
+fn release_during_an_in_flight_stage_converges_to_released() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    // The rule is consumed when NodeStage arrives: its absence from the
+    // fault file tells the call is in flight.
+    h.plugin.faults().set(json!([{
+        "method": NS, "action": "delay", "ms": 1500, "count": 1
+    }]));
+    let m = h.m().clone();
+    let mounting = thread::spawn(move || m.mount("a1", &[request("data", "v", false)]));
+    wait_until(WAIT, "NodeStage to be in flight", || {
+        h.plugin.faults().rules().is_empty()
+    });
+    assert_eq!(h.m().release("a1").expect("release"), ReleaseStart::Started);
+    let outcome = mounting.join().expect("mount thread");
+    assert!(h.m().wait_released("a1", WAIT), "release did not end");
+    assert_eq!(h.m().release_status("a1"), released(&["data"]));
+    // The mount either lost the race after NodeStage (no NodePublish) or
+    // published first; either way the release undoes everything, in order.
+    let calls = h.calls_since(0);
+    let published = calls.iter().any(|(m, _, _)| m == NP);
+    let want: &[(&str, &str)] = if published {
+        &[
+            (CP, "v"),
+            (NS, "v"),
+            (NP, "v"),
+            (NU, "v"),
+            (NUS, "v"),
+            (CU, "v"),
+        ]
+    } else {
+        &[(CP, "v"), (NS, "v"), (NU, "v"), (NUS, "v"), (CU, "v")]
+    };
+    assert_eq!(calls, ok_calls(want), "mount outcome: {outcome:?}");
+    if published {
+        assert_all_released(&h);
+    } else {
+        assert!(
+            matches!(outcome, Err(MountError::Busy { .. })),
+            "{outcome:?}"
+        );
+        // The target's parents were never created.
+        assert_all_released_leaving(&h, &["staging".to_string()]);
+    }
+}
+
+/// A mount cut off while it waited for a held claim must not hold the
+/// restore (and with it the API that would release the holder) hostage:
+/// the restore returns after its bound, the claim wait goes on in the
+/// background, and the mount completes once the holder is released.
+#[test]
+fn restore_does_not_block_on_a_claim_held_by_another_allocation() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    let t2 = h.target("a2", "v", SNW);
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount a1");
+    let m = h.m().clone();
+    let waiter = thread::spawn(move || m.mount("a2", &[request("data", "v", false)]));
+    wait_until(WAIT, "a2 to wait for a1's claim", || {
+        h.m().alloc_status("a2").is_some_and(|s| {
+            s.volumes
+                .iter()
+                .any(|v| v.message.contains("claimed for writing"))
+        })
+    });
+    // The agent stops while a2 waits: its record stays in `claiming`.
+    let interrupted = {
+        let shutdown = h.shutdown().clone();
+        shutdown.trigger();
+        waiter.join().expect("mount thread")
+    };
+    assert!(interrupted.is_err(), "{interrupted:?}");
+    assert_eq!(
+        h.state_on_disk().allocs["a2"].volumes["data"].phase,
+        Phase::Claiming
+    );
+    let started = std::time::Instant::now();
+    let report = h.restart();
+    // The restore answered within its bound (5 s in the harness), leaving
+    // a2's claim wait in the background.
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(report.intact, 1);
+    assert_eq!(report.in_background, 1, "{report:?}");
+    assert!(report.errors.is_empty(), "{report:?}");
+    // Releasing the holder lets the background restore finish a2's mount.
+    h.m().release("a1").expect("release a1");
+    assert!(h.m().wait_released("a1", WAIT));
+    wait_until(WAIT, "a2 to be mounted by the background restore", || {
+        h.m().mounted("a2").len() == 1
+    });
+    assert!(is_mount_point(&t2));
+    assert_eq!(h.m().claims().list().len(), 1);
+    assert_eq!(h.m().claims().list()[0].alloc_id, "a2");
+    h.m().release("a2").expect("release a2");
+    assert!(h.m().wait_released("a2", WAIT));
+    assert!(mount_points_under(&h.mount_root).is_empty());
+    assert!(h.m().claims().list().is_empty());
+}
