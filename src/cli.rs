@@ -155,6 +155,19 @@ pub fn run(args: Vec<String>) -> u8 {
         "volume" => crate::commands::volume(&rest),
         "alloc" => crate::commands::alloc(&rest),
         "plugin" => crate::commands::plugin(&rest),
+        "failpoints" => {
+            // For the restart tests: lists the crash points of this build.
+            if !crate::failpoints::ENABLED {
+                eprintln!(
+                    "claimd: this build has no failpoints (build with --features failpoints)"
+                );
+                return EXIT_FAILED;
+            }
+            for f in crate::failpoints::FAILPOINTS {
+                println!("{f}");
+            }
+            EXIT_OK
+        }
         other => {
             eprintln!("claimd: unknown command {other:?}; see `claimd --help`");
             EXIT_USAGE

@@ -16,6 +16,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::claims::{ClaimError, ClaimMode, ClaimRequest, ClaimStore};
 use crate::csi::{self, CsiError};
+use crate::failpoints;
 use crate::mounts::MountTable;
 use crate::plugins::{PluginKind, PluginSnapshot, Registry, WaitError};
 use crate::retry::{Backoff, BackoffPolicy, Interrupted};
@@ -428,6 +429,7 @@ impl Manager {
             Ok(true)
         })?;
         if created {
+            failpoints::hit("mount-after-record");
             log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
         }
         let deadline = Instant::now() + self.inner.opts.mount_retry_deadline;
@@ -683,7 +685,10 @@ impl Manager {
                 self.inner.claims.claim(&req)
             };
             match attempt {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    failpoints::hit("mount-after-claim");
+                    return Ok(());
+                }
                 Err(e) if e.is_retryable() => {
                     let msg = format!("{e} (retrying)");
                     log::info!("allocation {alloc_id}: {msg}");
@@ -748,7 +753,9 @@ impl Manager {
                 v.phase = Phase::Publishing;
             }
             Ok(())
-        })
+        })?;
+        failpoints::hit("mount-after-first-phase");
+        Ok(())
     }
 
     fn volume_of(&self, alloc_id: &str, alias: &str) -> String {
@@ -814,8 +821,12 @@ impl Manager {
                             );
                         };
                         let req = controller_publish_request(&rec, &spec, c);
+                        failpoints::hit("before-controller-publish");
                         match c.client.controller_publish_volume(&req) {
-                            Ok(ctx) => ctx,
+                            Ok(ctx) => {
+                                failpoints::hit("after-controller-publish");
+                                ctx
+                            }
                             Err(e) => return classify_up(alias, e),
                         }
                     }
@@ -854,9 +865,11 @@ impl Manager {
                         return Step::Retry(e, None);
                     }
                     let req = node_stage_request(&rec, &spec);
+                    failpoints::hit("before-node-stage");
                     if let Err(e) = node.client.node_stage_volume(&req) {
                         return classify_up(alias, e);
                     }
+                    failpoints::hit("after-node-stage");
                 }
                 self.advance(alloc_id, alias, |v| v.phase = Phase::Publishing)
             }
@@ -867,11 +880,14 @@ impl Manager {
                     }
                 }
                 let req = node_publish_request(&rec, &spec);
+                failpoints::hit("before-node-publish");
                 if let Err(e) = node.client.node_publish_volume(&req) {
                     return classify_up(alias, e);
                 }
+                failpoints::hit("after-node-publish");
                 match self.advance(alloc_id, alias, |v| v.phase = Phase::Published) {
                     Step::Next => {
+                        failpoints::hit("mount-after-published");
                         log::info!(
                             "allocation {alloc_id}: volume {} mounted at {}",
                             rec.volume_id,
@@ -935,6 +951,7 @@ impl Manager {
         let Some(aliases) = aliases else {
             return Ok(ReleaseStart::NotFound);
         };
+        failpoints::hit("release-after-mark");
         log::info!(
             "releasing allocation {alloc_id}: {} volume(s)",
             aliases.len()
@@ -1079,11 +1096,13 @@ impl Manager {
                 let mut req = csi::NodeUnpublishVolumeRequest::new();
                 req.volume_id = rec.external_volume_id.clone();
                 req.target_path = path_string(&rec.target_path);
+                failpoints::hit("before-node-unpublish");
                 match node.client.node_unpublish_volume(&req) {
                     Ok(()) => {}
                     Err(e) if e.is_ignorable() => {}
                     Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
                 }
+                failpoints::hit("after-node-unpublish");
                 if MountTable::read().is_ok_and(|t| t.is_mount_point(&rec.target_path)) {
                     return Step::Retry(
                         format!(
@@ -1111,11 +1130,13 @@ impl Manager {
                     let mut req = csi::NodeUnstageVolumeRequest::new();
                     req.volume_id = rec.external_volume_id.clone();
                     req.staging_target_path = path_string(&staging);
+                    failpoints::hit("before-node-unstage");
                     match node.client.node_unstage_volume(&req) {
                         Ok(()) => {}
                         Err(e) if e.is_ignorable() => {}
                         Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
                     }
+                    failpoints::hit("after-node-unstage");
                     if MountTable::read().is_ok_and(|t| t.is_mount_point(&staging)) {
                         return Step::Retry(
                             format!(
@@ -1154,11 +1175,13 @@ impl Manager {
                     if let Some(spec) = self.spec(&rec.volume_id) {
                         req.secrets = spec.secrets.into_iter().collect();
                     }
+                    failpoints::hit("before-controller-unpublish");
                     match c.client.controller_unpublish_volume(&req) {
                         Ok(()) => {}
                         Err(e) if e.is_ignorable() => {}
                         Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
                     }
+                    failpoints::hit("after-controller-unpublish");
                 }
                 self.advance(alloc_id, alias, |v| {
                     v.holds_attachment = false;
@@ -1169,6 +1192,7 @@ impl Manager {
                 if let Err(e) = self.inner.claims.release(&rec.volume_id, alloc_id) {
                     return Step::Retry(crate::error_chain(&e), None);
                 }
+                failpoints::hit("release-after-claim-freed");
                 let r = self.inner.store.update(|s| -> Result<(), StateError> {
                     if let Some(a) = s.allocs.get_mut(alloc_id) {
                         a.volumes.remove(alias);
@@ -1179,7 +1203,10 @@ impl Manager {
                     Ok(())
                 });
                 match r {
-                    Ok(()) => Step::Done,
+                    Ok(()) => {
+                        failpoints::hit("release-after-record-dropped");
+                        Step::Done
+                    }
                     Err(e) => Step::Retry(crate::error_chain(&e), None),
                 }
             }
@@ -1299,6 +1326,7 @@ impl Manager {
     /// staged and published again under the claim still held; in-flight
     /// phases are finished; releases are resumed in the background.
     pub fn restore(&self) -> RestoreReport {
+        failpoints::hit("restore-start");
         let mut report = RestoreReport::default();
         let table = match MountTable::read() {
             Ok(t) => t,

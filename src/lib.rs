@@ -15,6 +15,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod csi;
+pub mod failpoints;
 pub mod hook;
 pub mod ids;
 pub mod mounts;

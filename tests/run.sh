@@ -25,5 +25,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 cargo fmt --all -- --check
+# Both builds must be clean: the shipped one and the one with failpoints.
 cargo clippy --locked --all-targets -- -D warnings
-cargo test --locked
+cargo clippy --locked --all-targets --features failpoints -- -D warnings
+# The restart scripts (tests/restart/*.sh, run by tests/restart.rs) kill the
+# agent at named failpoints, which only a `failpoints` build has.
+cargo test --locked --features failpoints

@@ -1,0 +1,141 @@
+//! Failpoints: named places in the mount, release and restore paths where a
+//! test can make the agent die (SIGKILL itself) or freeze, to prove that a
+//! crash at any step converges after a restart.
+//!
+//! Compiled in only with the `failpoints` cargo feature (the tests enable
+//! it; release builds and the package do not). Selected at run time with
+//! `CLAIMD_FAILPOINT=NAME[:ACTION[:N]]`: ACTION is `kill` (default: the
+//! process sends itself SIGKILL, like a crash) or `pause` (the thread stops
+//! forever, for a test to kill the agent at a known point); N (default 1)
+//! fires on the N-th time the point is reached. `claimd failpoints` lists
+//! them all.
+
+/// Every failpoint, in lifecycle order. A unit test checks this list
+/// against the `failpoints::hit("...")` calls in the source, so it cannot go
+/// stale.
+pub const FAILPOINTS: &[&str] = &[
+    "mount-after-record",
+    "mount-after-claim",
+    "mount-after-first-phase",
+    "before-controller-publish",
+    "after-controller-publish",
+    "before-node-stage",
+    "after-node-stage",
+    "before-node-publish",
+    "after-node-publish",
+    "mount-after-published",
+    "release-after-mark",
+    "before-node-unpublish",
+    "after-node-unpublish",
+    "before-node-unstage",
+    "after-node-unstage",
+    "before-controller-unpublish",
+    "after-controller-unpublish",
+    "release-after-claim-freed",
+    "release-after-record-dropped",
+    "restore-start",
+];
+
+pub const ENV: &str = "CLAIMD_FAILPOINT";
+
+/// Whether this build has failpoints.
+pub const ENABLED: bool = cfg!(feature = "failpoints");
+
+#[cfg(feature = "failpoints")]
+mod imp {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+
+    #[derive(Debug)]
+    struct Selected {
+        name: String,
+        pause: bool,
+        nth: u64,
+        hits: AtomicU64,
+    }
+
+    fn selected() -> Option<&'static Selected> {
+        static SELECTED: OnceLock<Option<Selected>> = OnceLock::new();
+        SELECTED
+            .get_or_init(|| {
+                let v = std::env::var(super::ENV).ok()?;
+                let mut parts = v.split(':');
+                let name = parts.next()?.to_string();
+                if !super::FAILPOINTS.contains(&name.as_str()) {
+                    eprintln!("claimd: {}={v}: no such failpoint", super::ENV);
+                    std::process::exit(2);
+                }
+                let pause = match parts.next() {
+                    None | Some("kill") => false,
+                    Some("pause") => true,
+                    Some(other) => {
+                        eprintln!("claimd: {}: unknown action {other:?}", super::ENV);
+                        std::process::exit(2);
+                    }
+                };
+                let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
+                Some(Selected {
+                    name,
+                    pause,
+                    nth,
+                    hits: AtomicU64::new(0),
+                })
+            })
+            .as_ref()
+    }
+
+    pub fn hit(name: &'static str) {
+        let Some(s) = selected() else {
+            return;
+        };
+        if s.name != name || s.hits.fetch_add(1, Ordering::SeqCst) + 1 != s.nth {
+            return;
+        }
+        if s.pause {
+            eprintln!("claimd: failpoint {name}: paused");
+            log::warn!("failpoint {name}: paused");
+            loop {
+                std::thread::park();
+            }
+        }
+        eprintln!("claimd: failpoint {name}: killing the agent");
+        // SAFETY: kill(2) on our own pid; SIGKILL cannot be caught, so this
+        // is a crash as abrupt as a power cut for the process.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// Reaches failpoint `name` (a no-op without the `failpoints` feature).
+#[inline]
+pub fn hit(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    imp::hit(name);
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_list_matches_the_source() {
+        let mut found = Vec::new();
+        for file in ["src/hook.rs", "src/agent.rs", "src/api.rs"] {
+            let text = std::fs::read_to_string(file).expect("read source");
+            let needle = "failpoints::hit(\"";
+            let mut rest = text.as_str();
+            while let Some(i) = rest.find(needle) {
+                rest = &rest[i + needle.len()..];
+                let end = rest.find('"').expect("closing quote");
+                found.push(rest[..end].to_string());
+            }
+        }
+        let mut listed: Vec<String> = FAILPOINTS.iter().map(|s| s.to_string()).collect();
+        listed.sort();
+        found.sort();
+        assert_eq!(found, listed, "FAILPOINTS and the hit() calls differ");
+    }
+}
