@@ -9,5 +9,5 @@ target=x86_64-unknown-linux-gnu
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked --target "$target" --bin claimd >&2
 bin="target/$target/release/claimd"
-strip --strip-all "$bin"
+strip --strip-all --remove-section=.comment "$bin"
 echo "$bin"

@@ -136,12 +136,28 @@ fn init_logger(default: &str) {
 
 /// Runs the command line; returns the exit code.
 pub fn run(args: Vec<String>) -> u8 {
-    let mut it = args.into_iter().skip(1);
-    let Some(cmd) = it.next() else {
+    // Client options may also come before the command
+    // (`claimd --socket PATH alloc status`): move them behind it.
+    let mut args: Vec<String> = args.into_iter().skip(1).collect();
+    let mut global = Vec::new();
+    while let Some(first) = args.first() {
+        if first == "--json" {
+            global.push(args.remove(0));
+        } else if first == "--socket" && args.len() >= 2 {
+            global.extend(args.drain(..2));
+        } else if first.starts_with("--socket=") {
+            global.push(args.remove(0));
+        } else {
+            break;
+        }
+    }
+    if args.is_empty() {
         eprint!("{}", help());
         return EXIT_USAGE;
-    };
-    let rest: Vec<String> = it.collect();
+    }
+    let cmd = args.remove(0);
+    let mut rest = args;
+    rest.extend(global);
     match cmd.as_str() {
         "-h" | "--help" | "help" => {
             print!("{}", help());

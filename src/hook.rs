@@ -39,6 +39,8 @@ pub const CSI_BACKOFF: BackoffPolicy =
 pub const MOUNT_RETRY_DEADLINE: Duration = Duration::from_secs(120);
 /// How long a failed mount waits for its own rollback before answering.
 pub const ROLLBACK_WAIT: Duration = Duration::from_secs(30);
+/// How many completed release reports are kept for `alloc status`.
+const MAX_RELEASE_REPORTS: usize = 1024;
 /// Longest single wait for a plugin inside a release retry loop; the loop
 /// itself is bounded by the release deadline.
 const RELEASE_PLUGIN_WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -235,6 +237,9 @@ struct Progress {
     mounting: HashSet<String>,
     /// (alloc, alias) -> what a mount is waiting on.
     messages: HashMap<(String, String), String>,
+    /// Releases that completed, oldest first: their reports are kept for
+    /// `alloc status` until MAX_RELEASE_REPORTS newer ones push them out.
+    finished: std::collections::VecDeque<(String, String)>,
 }
 
 /// Outcome of one step of a volume.
@@ -1052,8 +1057,21 @@ impl Manager {
             }
         }
         let mut p = self.inner.progress.lock();
-        p.active.remove(&key(alloc_id, alias));
-        p.releases.insert(key(alloc_id, alias), outcome);
+        let k = key(alloc_id, alias);
+        p.active.remove(&k);
+        if outcome == ReleaseState::Released {
+            p.finished.push_back(k.clone());
+            while p.finished.len() > MAX_RELEASE_REPORTS {
+                if let Some(old) = p.finished.pop_front() {
+                    if !p.active.contains(&old)
+                        && p.releases.get(&old) == Some(&ReleaseState::Released)
+                    {
+                        p.releases.remove(&old);
+                    }
+                }
+            }
+        }
+        p.releases.insert(k, outcome);
         self.inner.progress_changed.notify_all();
     }
 
