@@ -171,7 +171,32 @@ impl Agent {
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));
         }
+        if self.dev {
+            remove_dev_dir(&self.config);
+        }
         log::info!("stopped");
+    }
+}
+
+/// Removes the `--dev` directory when nothing is left mounted below it;
+/// otherwise says what is left and keeps it.
+fn remove_dev_dir(config: &Config) {
+    let Some(base) = config.state_dir.parent() else {
+        return;
+    };
+    let left = crate::mounts::MountTable::read()
+        .map(|t| t.under(base))
+        .unwrap_or_default();
+    if !left.is_empty() {
+        log::warn!(
+            "dev mode: {} mount(s) left under {}; keeping it",
+            left.len(),
+            base.display()
+        );
+        return;
+    }
+    if let Err(e) = std::fs::remove_dir_all(base) {
+        log::warn!("dev mode: cannot remove {}: {e}", base.display());
     }
 }
 

@@ -464,6 +464,27 @@ impl grpc::Claimd for Service {
         });
     }
 
+    fn get_stats(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetStatsRequest,
+        sink: UnarySink<w::GetStatsResponse>,
+    ) {
+        self.run(&ctx, "stats", sink, |s| {
+            let store = s.manager.store();
+            let (writes, bytes) = store.write_stats();
+            let mut r = w::GetStatsResponse::new();
+            r.state_writes = writes;
+            r.state_bytes_written = bytes;
+            store.read(|st| {
+                r.allocs = st.allocs.len() as u64;
+                r.volumes = st.volumes.len() as u64;
+                r.claims = st.claims.len() as u64;
+            });
+            Ok(r)
+        });
+    }
+
     fn list_plugins(
         &mut self,
         ctx: RpcContext<'_>,

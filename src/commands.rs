@@ -51,6 +51,11 @@ fn usage(msg: impl std::fmt::Display) -> u8 {
     EXIT_USAGE
 }
 
+/// `-h`/`--help` anywhere in a client command prints the client help.
+fn wants_help(args: &[String]) -> bool {
+    args.iter().any(|a| a == "-h" || a == "--help")
+}
+
 fn parse_common(args: &[String]) -> Result<Common, String> {
     let mut socket = std::env::var_os("CLAIMD_SOCKET")
         .map(PathBuf::from)
@@ -115,6 +120,10 @@ fn failed(socket: &Path, e: grpcio::Error) -> u8 {
 }
 
 pub fn volume(args: &[String]) -> u8 {
+    if wants_help(args) {
+        print!("{}", client_help());
+        return EXIT_OK;
+    }
     let c = match parse_common(args) {
         Ok(c) => c,
         Err(e) => return usage(e),
@@ -322,6 +331,10 @@ pub fn parse_volume_arg(s: &str) -> Result<w::VolumeRequest, String> {
 }
 
 pub fn alloc(args: &[String]) -> u8 {
+    if wants_help(args) {
+        print!("{}", client_help());
+        return EXIT_OK;
+    }
     let c = match parse_common(args) {
         Ok(c) => c,
         Err(e) => return usage(e),
@@ -634,6 +647,10 @@ fn alloc_status(c: &Common) -> u8 {
 }
 
 pub fn plugin(args: &[String]) -> u8 {
+    if wants_help(args) {
+        print!("{}", client_help());
+        return EXIT_OK;
+    }
     let c = match parse_common(args) {
         Ok(c) => c,
         Err(e) => return usage(e),

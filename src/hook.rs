@@ -434,6 +434,12 @@ impl Manager {
             Ok(true)
         })?;
         if created {
+            // Reports of an earlier release under the same ID are stale now.
+            self.inner
+                .progress
+                .lock()
+                .releases
+                .retain(|(a, _), _| a != alloc_id);
             failpoints::hit("mount-after-record");
             log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
         }
@@ -586,7 +592,8 @@ impl Manager {
                 alias: alias.to_string(),
                 source,
             })?;
-        let controller = self.controller_for(&rec.plugin_id, alias)?;
+        self.set_message(alloc_id, alias, None);
+        let controller = self.controller_for(alloc_id, &rec.plugin_id, alias)?;
         // 2. The claim, retrying while another allocation holds it.
         if rec.phase == Phase::Claiming {
             self.take_claim(alloc_id, &rec)?;
@@ -599,7 +606,11 @@ impl Manager {
                 return Err(MountError::Shutdown);
             }
             match self.mount_step(alloc_id, alias, &node, controller.as_ref()) {
-                Step::Next => continue,
+                Step::Next => {
+                    // A step went through: no retry message is current.
+                    self.set_message(alloc_id, alias, None);
+                    continue;
+                }
                 Step::Done => return Ok(()),
                 Step::Fail(e) => return Err(e),
                 Step::Retry(msg, err) => {
@@ -627,12 +638,20 @@ impl Manager {
     /// PUBLISH_UNPUBLISH_VOLUME.
     fn controller_for(
         &self,
+        alloc_id: &str,
         plugin_id: &str,
         alias: &str,
     ) -> Result<Option<PluginSnapshot>, MountError> {
         let reg = &self.inner.registry;
         if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
             return Ok(None);
+        }
+        if reg.get_ready(plugin_id, PluginKind::Controller).is_none() {
+            self.set_message(
+                alloc_id,
+                alias,
+                Some(format!("waiting for controller plugin {plugin_id}")),
+            );
         }
         let c = reg
             .wait_for_plugin(
@@ -644,6 +663,7 @@ impl Manager {
                 alias: alias.to_string(),
                 source,
             })?;
+        self.set_message(alloc_id, alias, None);
         let publishes = c
             .controller_capabilities
             .as_ref()
@@ -691,6 +711,7 @@ impl Manager {
             };
             match attempt {
                 Ok(_) => {
+                    self.set_message(alloc_id, &rec.alias, None);
                     failpoints::hit("mount-after-claim");
                     return Ok(());
                 }
@@ -1280,13 +1301,24 @@ impl Manager {
 
     pub fn alloc_status(&self, alloc_id: &str) -> Option<AllocStatus> {
         let rec = self.inner.store.read(|s| s.allocs.get(alloc_id).cloned());
-        let releases = self.release_status(alloc_id);
+        let mut releases = self.release_status(alloc_id);
         let p = self.inner.progress.lock();
+        // A volume whose release finished has no record any more: only its
+        // in-memory release report is left.
+        let released = |alias: String, st: ReleaseState| VolumeStatus {
+            alias,
+            volume_id: String::new(),
+            plugin_id: String::new(),
+            phase: None,
+            host_path: PathBuf::new(),
+            read_only: false,
+            attachment: AttachmentMode::FileSystem,
+            release: Some(st),
+            message: String::new(),
+        };
         match rec {
-            Some(a) => Some(AllocStatus {
-                id: a.id.clone(),
-                releasing: a.releasing,
-                volumes: a
+            Some(a) => {
+                let mut volumes: Vec<VolumeStatus> = a
                     .volumes
                     .values()
                     .map(|v| VolumeStatus {
@@ -1297,32 +1329,28 @@ impl Manager {
                         host_path: v.target_path.clone(),
                         read_only: v.usage.read_only,
                         attachment: v.usage.attachment,
-                        release: releases.get(&v.alias).cloned(),
+                        release: releases.remove(&v.alias),
                         message: p
                             .messages
                             .get(&key(alloc_id, &v.alias))
                             .cloned()
                             .unwrap_or_default(),
                     })
-                    .collect(),
-            }),
-            // Released: only the in-memory release report is left.
+                    .collect();
+                volumes.extend(releases.into_iter().map(|(al, st)| released(al, st)));
+                volumes.sort_by(|x, y| x.alias.cmp(&y.alias));
+                Some(AllocStatus {
+                    id: a.id.clone(),
+                    releasing: a.releasing,
+                    volumes,
+                })
+            }
             None if !releases.is_empty() => Some(AllocStatus {
                 id: alloc_id.to_string(),
                 releasing: true,
                 volumes: releases
                     .into_iter()
-                    .map(|(alias, st)| VolumeStatus {
-                        alias,
-                        volume_id: String::new(),
-                        plugin_id: String::new(),
-                        phase: None,
-                        host_path: PathBuf::new(),
-                        read_only: false,
-                        attachment: AttachmentMode::FileSystem,
-                        release: Some(st),
-                        message: String::new(),
-                    })
+                    .map(|(al, st)| released(al, st))
                     .collect(),
             }),
             None => None,

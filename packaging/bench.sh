@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Benchmarks (as root: real mounts): builds the agent, the test plugin and
+# the benchmark in release mode (the static build's target directory, so the
+# gRPC core is compiled once for both), runs them on this machine, prints a
+# table, and writes target/bench/results.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target=x86_64-unknown-linux-gnu
+RUSTFLAGS="-C target-feature=+crt-static" \
+  cargo build --release --locked --target "$target" \
+  --bin claimd --bin claimd-test-plugin --bin claimd-bench >&2
+dir="target/$target/release"
+"$dir/claimd-bench" --agent "$dir/claimd" --plugin "$dir/claimd-test-plugin" \
+  --out target/bench/results.json "$@"

@@ -1,0 +1,696 @@
+//! `claimd-bench`: measures the agent against bare CSI calls to the same
+//! test plugin in the same run, restart recovery, release fan-out, memory
+//! and state-file cost. Prints a table and writes JSON. Not shipped.
+//!
+//! Run through `packaging/bench.sh` (release build, real mounts, as root).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use claimd::api::{wire as w, ApiClient};
+use claimd::csi::{self, CsiClient};
+use grpcio::CallOption;
+use serde_json::{json, Value};
+
+const CALL: Duration = Duration::from_secs(60);
+
+fn opt() -> CallOption {
+    CallOption::default().timeout(CALL)
+}
+
+struct Args {
+    agent: PathBuf,
+    plugin: PathBuf,
+    out: PathBuf,
+    n: usize,
+    restart_n: usize,
+    fanout: usize,
+    concurrency: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        agent: PathBuf::new(),
+        plugin: PathBuf::new(),
+        out: PathBuf::from("target/bench/results.json"),
+        n: 200,
+        restart_n: 1000,
+        fanout: 100,
+        concurrency: 16,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--agent" => a.agent = PathBuf::from(val()?),
+            "--plugin" => a.plugin = PathBuf::from(val()?),
+            "--out" => a.out = PathBuf::from(val()?),
+            "--n" => a.n = val()?.parse().map_err(|e| format!("--n: {e}"))?,
+            "--restart-n" => {
+                a.restart_n = val()?.parse().map_err(|e| format!("--restart-n: {e}"))?
+            }
+            "--fanout" => a.fanout = val()?.parse().map_err(|e| format!("--fanout: {e}"))?,
+            "--concurrency" => {
+                a.concurrency = val()?.parse().map_err(|e| format!("--concurrency: {e}"))?
+            }
+            "-h" | "--help" => {
+                println!(
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--concurrency 16]"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if a.agent.as_os_str().is_empty() || a.plugin.as_os_str().is_empty() {
+        return Err("--agent and --plugin are required".into());
+    }
+    Ok(a)
+}
+
+/// A scratch directory whose mounts are lazily unmounted on drop.
+struct Scratch {
+    dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        let dir = std::env::temp_dir().join(format!("claimd-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the scratch directory");
+        Scratch {
+            dir,
+            children: Vec::new(),
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let mut left: Vec<PathBuf> = claimd::mounts::mounts()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|p| p.starts_with(&self.dir))
+            .collect();
+        left.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+        for p in left {
+            let _ = Command::new("umount").arg("-l").arg(&p).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+struct Setup {
+    plugin_socket: PathBuf,
+    call_log: PathBuf,
+    faults: PathBuf,
+    config: PathBuf,
+    api_socket: PathBuf,
+    mount_root: PathBuf,
+}
+
+fn start_plugin(args: &Args, s: &mut Scratch) -> Setup {
+    let p = s.dir.join("plugin");
+    std::fs::create_dir_all(&p).expect("plugin dir");
+    let setup = Setup {
+        plugin_socket: p.join("csi.sock"),
+        call_log: p.join("calls.jsonl"),
+        faults: p.join("faults.json"),
+        config: s.dir.join("config.json"),
+        api_socket: s.dir.join("api.sock"),
+        mount_root: s.dir.join("mounts"),
+    };
+    let child = Command::new(&args.plugin)
+        .arg("--endpoint")
+        .arg(&setup.plugin_socket)
+        .arg("--root")
+        .arg(p.join("root"))
+        .arg("--call-log")
+        .arg(&setup.call_log)
+        .arg("--faults")
+        .arg(&setup.faults)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the test plugin");
+    s.children.push(child);
+    wait_for("the plugin socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&setup.plugin_socket).is_ok()
+    });
+    let cfg = json!({
+        "state_dir": s.dir.join("state"), "api_socket": setup.api_socket,
+        "mount_root": setup.mount_root,
+        "plugins": [{"id": "hp", "type": "monolith", "socket": setup.plugin_socket}],
+        "csi_call_timeout": "5s", "probe_interval": "30s",
+    });
+    std::fs::write(&setup.config, cfg.to_string()).expect("write config");
+    setup
+}
+
+struct Agent {
+    child: Child,
+}
+
+impl Agent {
+    fn start(args: &Args, setup: &Setup) -> (Agent, Instant) {
+        let started = Instant::now();
+        let child = Command::new(&args.agent)
+            .arg("agent")
+            .arg("--config")
+            .arg(&setup.config)
+            .env("RUST_LOG", "warn")
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the agent");
+        (Agent { child }, started)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn kill(self) {
+        drop(self);
+    }
+
+    fn stop(mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // A no-op after `stop` (the child is reaped); SIGKILL otherwise.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn api(setup: &Setup, env: &Arc<grpcio::Environment>) -> ApiClient {
+    wait_for("the API socket", Duration::from_secs(600), || {
+        std::os::unix::net::UnixStream::connect(&setup.api_socket).is_ok()
+    });
+    ApiClient::new(env.clone(), &setup.api_socket)
+}
+
+fn register(c: &ApiClient, id: &str, mode: &str) {
+    let mut v = w::Volume::new();
+    v.id = id.to_string();
+    v.plugin_id = "hp".into();
+    v.external_id = format!("ext-{id}");
+    v.access_modes = vec![mode.to_string()];
+    v.attachment_modes = vec!["file-system".into()];
+    let mut r = w::RegisterVolumeRequest::new();
+    r.volume = protobuf::MessageField::some(v);
+    c.raw().register_volume(&r, opt()).expect("register");
+}
+
+fn mount(c: &ApiClient, alloc: &str, vols: &[String]) {
+    let mut r = w::MountAllocRequest::new();
+    r.alloc_id = alloc.to_string();
+    r.volumes = vols
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let mut q = w::VolumeRequest::new();
+            q.alias = format!("d{i}");
+            q.volume_id = v.clone();
+            q
+        })
+        .collect();
+    c.raw().mount_alloc(&r, opt()).expect("mount");
+}
+
+fn release(c: &ApiClient, alloc: &str, wait: Duration) -> w::ReleaseAllocResponse {
+    let mut r = w::ReleaseAllocRequest::new();
+    r.alloc_id = alloc.to_string();
+    r.wait_ms = wait.as_millis() as u64;
+    c.raw()
+        .release_alloc(&r, CallOption::default().timeout(wait + CALL))
+        .expect("release")
+}
+
+fn stats(c: &ApiClient) -> w::GetStatsResponse {
+    c.raw()
+        .get_stats(&w::GetStatsRequest::new(), opt())
+        .expect("stats")
+}
+
+fn volume_calls(log: &Path) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
+        if let Ok(v) = serde_json::from_str::<Value>(line) {
+            if let Some(method) = v["method"].as_str() {
+                if method.ends_with("Volume") {
+                    *m.entry(method.to_string()).or_default() += 1;
+                }
+            }
+        }
+    }
+    m
+}
+
+fn proc_status(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn mean_ms(v: &[Duration]) -> f64 {
+    v.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1000.0 / v.len().max(1) as f64
+}
+
+/// The bare client: exactly the calls the agent makes for one volume.
+struct Bare {
+    client: CsiClient,
+    node_id: String,
+    root: PathBuf,
+}
+
+impl Bare {
+    fn cap() -> csi::VolumeCapability {
+        use claimd::volumes::{volume_capability, AccessMode, AttachmentMode, MountOptions, Usage};
+        volume_capability(
+            &Usage {
+                read_only: false,
+                attachment: AttachmentMode::FileSystem,
+                access_mode: AccessMode::SingleNodeWriter,
+            },
+            &MountOptions::default(),
+            &[],
+        )
+    }
+
+    fn paths(&self, id: &str) -> (PathBuf, PathBuf) {
+        (
+            self.root.join("staging").join(id),
+            self.root.join("per-alloc").join(id).join("t"),
+        )
+    }
+
+    fn mount(&self, id: &str) {
+        let (staging, target) = self.paths(id);
+        let mut cp = csi::ControllerPublishVolumeRequest::new();
+        cp.volume_id = format!("ext-{id}");
+        cp.node_id = self.node_id.clone();
+        cp.volume_capability = protobuf::MessageField::some(Self::cap());
+        let ctx = self
+            .client
+            .controller_publish_volume(&cp)
+            .expect("bare publish");
+        std::fs::create_dir_all(&staging).expect("mkdir staging");
+        let mut st = csi::NodeStageVolumeRequest::new();
+        st.volume_id = format!("ext-{id}");
+        st.staging_target_path = staging.to_string_lossy().into_owned();
+        st.publish_context = ctx.clone().into_iter().collect();
+        st.volume_capability = protobuf::MessageField::some(Self::cap());
+        self.client.node_stage_volume(&st).expect("bare stage");
+        std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir parent");
+        let mut p = csi::NodePublishVolumeRequest::new();
+        p.volume_id = format!("ext-{id}");
+        p.staging_target_path = st.staging_target_path.clone();
+        p.target_path = target.to_string_lossy().into_owned();
+        p.publish_context = ctx.into_iter().collect();
+        p.volume_capability = protobuf::MessageField::some(Self::cap());
+        self.client.node_publish_volume(&p).expect("bare publish");
+    }
+
+    fn release(&self, id: &str) {
+        let (staging, target) = self.paths(id);
+        let mut u = csi::NodeUnpublishVolumeRequest::new();
+        u.volume_id = format!("ext-{id}");
+        u.target_path = target.to_string_lossy().into_owned();
+        self.client
+            .node_unpublish_volume(&u)
+            .expect("bare unpublish");
+        let mut us = csi::NodeUnstageVolumeRequest::new();
+        us.volume_id = format!("ext-{id}");
+        us.staging_target_path = staging.to_string_lossy().into_owned();
+        self.client.node_unstage_volume(&us).expect("bare unstage");
+        let mut cu = csi::ControllerUnpublishVolumeRequest::new();
+        cu.volume_id = format!("ext-{id}");
+        cu.node_id = self.node_id.clone();
+        self.client
+            .controller_unpublish_volume(&cu)
+            .expect("bare detach");
+        let _ = std::fs::remove_dir(&staging);
+        let _ = std::fs::remove_dir(target.parent().expect("parent"));
+    }
+}
+
+/// Runs `f(i)` for i in 0..n on `threads` threads; returns each latency and
+/// the wall time.
+fn run_parallel(n: usize, threads: usize, f: impl Fn(usize) + Sync) -> (Vec<Duration>, Duration) {
+    let started = Instant::now();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let lat = parking_lot::Mutex::new(Vec::with_capacity(n));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let t = Instant::now();
+                f(i);
+                lat.lock().push(t.elapsed());
+            });
+        }
+    });
+    (lat.into_inner(), started.elapsed())
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("claimd-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let env = claimd::csi::grpc_environment("bench-grpc");
+    let mut results = serde_json::Map::new();
+    let mut table: Vec<(String, String)> = Vec::new();
+
+    // ---- 1. mount and release overhead, and 4. idle footprint -------------
+    {
+        let mut s = Scratch::new();
+        let setup = start_plugin(&args, &mut s);
+        let (agent, _) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        wait_for("the plugin to be ready", Duration::from_secs(30), || {
+            c.raw()
+                .list_plugins(&w::ListPluginsRequest::new(), opt())
+                .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"))
+        });
+        // Idle footprint with nothing recorded.
+        let rss0 = proc_status(agent.pid(), "VmRSS:");
+        let threads0 = proc_status(agent.pid(), "Threads:");
+        results.insert("idle_rss_kib_0_allocs".into(), json!(rss0));
+        results.insert("idle_threads".into(), json!(threads0));
+        table.push((
+            "idle RSS, 0 allocations".into(),
+            format!("{:.1} MiB", rss0 as f64 / 1024.0),
+        ));
+        table.push(("threads at idle".into(), threads0.to_string()));
+
+        let bare = Bare {
+            client: CsiClient::new(env.clone(), &setup.plugin_socket, CALL),
+            node_id: CsiClient::new(env.clone(), &setup.plugin_socket, CALL)
+                .node_get_info()
+                .expect("node info")
+                .node_id,
+            root: s.dir.join("bare"),
+        };
+        for i in 0..args.n {
+            register(&c, &format!("v{i}"), "single-node-writer");
+        }
+        for (label, threads) in [("sequential", 1usize), ("concurrent", args.concurrency)] {
+            let before = stats(&c);
+            let (mount_lat, mount_wall) = run_parallel(args.n, threads, |i| {
+                mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")])
+            });
+            let mid = stats(&c);
+            let (rel_lat, rel_wall) = run_parallel(args.n, threads, |i| {
+                let r = release(&c, &format!("{label}-a{i}"), Duration::from_secs(60));
+                assert!(r.done, "release did not finish");
+            });
+            let after = stats(&c);
+            let (bare_mount, bare_mount_wall) =
+                run_parallel(args.n, threads, |i| bare.mount(&format!("{label}-b{i}")));
+            let (bare_rel, bare_rel_wall) =
+                run_parallel(args.n, threads, |i| bare.release(&format!("{label}-b{i}")));
+            let (am, bm, ar, br) = (
+                mean_ms(&mount_lat),
+                mean_ms(&bare_mount),
+                mean_ms(&rel_lat),
+                mean_ms(&bare_rel),
+            );
+            let writes_mount = (mid.state_writes - before.state_writes) as f64 / args.n as f64;
+            let writes_rel = (after.state_writes - mid.state_writes) as f64 / args.n as f64;
+            let bytes_mount =
+                (mid.state_bytes_written - before.state_bytes_written) as f64 / args.n as f64;
+            results.insert(
+                format!("{label}_mount_release"),
+                json!({
+                    "threads": threads, "volumes": args.n,
+                    "agent_mount_ms_mean": am, "bare_mount_ms_mean": bm, "mount_ratio": am / bm,
+                    "agent_release_ms_mean": ar, "bare_release_ms_mean": br, "release_ratio": ar / br,
+                    "agent_mount_wall_s": mount_wall.as_secs_f64(), "bare_mount_wall_s": bare_mount_wall.as_secs_f64(),
+                    "agent_release_wall_s": rel_wall.as_secs_f64(), "bare_release_wall_s": bare_rel_wall.as_secs_f64(),
+                    "state_writes_per_mount": writes_mount, "fsyncs_per_mount": writes_mount * 2.0,
+                    "state_writes_per_release": writes_rel, "fsyncs_per_release": writes_rel * 2.0,
+                    "state_bytes_per_mount": bytes_mount,
+                }),
+            );
+            table.push((
+                format!("{label} ({threads} at a time): mount, agent vs bare"),
+                format!("{am:.2} ms vs {bm:.2} ms = {:.2}x", am / bm),
+            ));
+            table.push((
+                format!("{label}: release, agent vs bare"),
+                format!("{ar:.2} ms vs {br:.2} ms = {:.2}x", ar / br),
+            ));
+            table.push((
+                format!("{label}: wall time for {} mounts, agent vs bare", args.n),
+                format!(
+                    "{:.2} s vs {:.2} s = {:.2}x",
+                    mount_wall.as_secs_f64(),
+                    bare_mount_wall.as_secs_f64(),
+                    mount_wall.as_secs_f64() / bare_mount_wall.as_secs_f64()
+                ),
+            ));
+            table.push((
+                format!("{label}: fsyncs per mount / per release"),
+                format!("{:.1} / {:.1}", writes_mount * 2.0, writes_rel * 2.0),
+            ));
+        }
+        agent.stop();
+    }
+
+    // ---- 2. restart recovery, 4. footprint with many, 5. write cost -------
+    {
+        let mut s = Scratch::new();
+        let setup = start_plugin(&args, &mut s);
+        let (agent, _) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        register(&c, "shared", "multi-node-multi-writer");
+        for i in 0..args.restart_n {
+            register(&c, &format!("r{i}"), "single-node-writer");
+        }
+        run_parallel(args.restart_n, args.concurrency, |i| {
+            mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
+        });
+        let peak = proc_status(agent.pid(), "VmHWM:");
+        let rss_n = proc_status(agent.pid(), "VmRSS:");
+        // Write cost of one more mount and release with N on record.
+        let b = stats(&c);
+        mount(&c, "one-more", &["shared".to_string()]);
+        let m = stats(&c);
+        release(&c, "one-more", Duration::from_secs(60));
+        let e = stats(&c);
+        results.insert(
+            "state_cost_with_n_on_record".into(),
+            json!({
+                "allocs_on_record": args.restart_n,
+                "writes_per_mount": m.state_writes - b.state_writes,
+                "bytes_per_mount": m.state_bytes_written - b.state_bytes_written,
+                "writes_per_release": e.state_writes - m.state_writes,
+                "bytes_per_release": e.state_bytes_written - m.state_bytes_written,
+            }),
+        );
+        table.push((
+            format!(
+                "state writes / bytes per mount with {} on record",
+                args.restart_n
+            ),
+            format!(
+                "{} / {} KiB",
+                m.state_writes - b.state_writes,
+                (m.state_bytes_written - b.state_bytes_written) / 1024
+            ),
+        ));
+        results.insert("rss_kib_n_allocs".into(), json!(rss_n));
+        results.insert("peak_rss_kib_n_allocs".into(), json!(peak));
+        table.push((
+            format!("RSS / peak RSS with {} allocations", args.restart_n),
+            format!(
+                "{:.1} / {:.1} MiB",
+                rss_n as f64 / 1024.0,
+                peak as f64 / 1024.0
+            ),
+        ));
+        // 100 concurrent mounts: writes per mount.
+        for i in 0..100 {
+            register(&c, &format!("c{i}"), "single-node-writer");
+        }
+        let b = stats(&c);
+        run_parallel(100, 100, |i| {
+            mount(&c, &format!("c-a{i}"), &[format!("c{i}")])
+        });
+        let e = stats(&c);
+        let per = (e.state_writes - b.state_writes) as f64 / 100.0;
+        results.insert("writes_per_mount_100_concurrent".into(), json!(per));
+        table.push((
+            "state writes per mount, 100 concurrent".into(),
+            format!("{per:.2}"),
+        ));
+        run_parallel(100, 16, |i| {
+            release(&c, &format!("c-a{i}"), Duration::from_secs(60));
+        });
+
+        let calls_before = volume_calls(&setup.call_log);
+        agent.kill();
+        let (agent, started) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        let allocs = c
+            .raw()
+            .list_allocs(&w::ListAllocsRequest::new(), opt())
+            .expect("list");
+        let recovered = started.elapsed();
+        let published = allocs
+            .allocs
+            .iter()
+            .filter(|a| a.volumes.iter().all(|v| v.phase == "published"))
+            .count();
+        assert_eq!(published, args.restart_n, "not every allocation came back");
+        let calls_after = volume_calls(&setup.call_log);
+        let new_calls: usize =
+            calls_after.values().sum::<usize>() - calls_before.values().sum::<usize>();
+        results.insert(
+            "restart_recovery".into(),
+            json!({"allocs": args.restart_n, "seconds_to_all_reported_mounted": recovered.as_secs_f64(),
+                   "csi_volume_calls": new_calls}),
+        );
+        table.push((
+            format!(
+                "restart after SIGKILL with {} mounted: time to all reported",
+                args.restart_n
+            ),
+            format!(
+                "{:.3} s, {new_calls} CSI volume calls",
+                recovered.as_secs_f64()
+            ),
+        ));
+        let rss_restart = proc_status(agent.pid(), "VmRSS:");
+        results.insert(
+            "idle_rss_kib_n_allocs_after_restart".into(),
+            json!(rss_restart),
+        );
+        table.push((
+            format!("idle RSS after restart with {} allocations", args.restart_n),
+            format!("{:.1} MiB", rss_restart as f64 / 1024.0),
+        ));
+        run_parallel(args.restart_n, args.concurrency, |i| {
+            release(&c, &format!("r-a{i}"), Duration::from_secs(60));
+        });
+        agent.stop();
+    }
+
+    // ---- 3. release fan-out with one hung volume ---------------------------
+    {
+        let mut s = Scratch::new();
+        let setup = start_plugin(&args, &mut s);
+        let (agent, _) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        register(&c, "solo", "single-node-writer");
+        mount(&c, "solo-a", &["solo".to_string()]);
+        let t = Instant::now();
+        release(&c, "solo-a", Duration::from_secs(60));
+        let one = t.elapsed();
+        let vols: Vec<String> = (0..args.fanout).map(|i| format!("f{i}")).collect();
+        for v in &vols {
+            register(&c, v, "single-node-writer");
+        }
+        mount(&c, "fan", &vols);
+        std::fs::write(
+            &setup.faults,
+            json!({"rules": [{"method": "NodeUnpublishVolume", "volume_id": "ext-f0", "action": "hang"}]})
+                .to_string(),
+        )
+        .expect("fault");
+        let t = Instant::now();
+        release(&c, "fan", Duration::ZERO);
+        let mut req = w::GetAllocRequest::new();
+        req.alloc_id = "fan".into();
+        wait_for(
+            "the other volumes to be released",
+            Duration::from_secs(300),
+            || {
+                c.raw().get_alloc(&req, opt()).is_ok_and(|r| {
+                    r.alloc
+                        .volumes
+                        .iter()
+                        .filter(|v| v.release_state == "released")
+                        .count()
+                        == args.fanout - 1
+                })
+            },
+        );
+        let others = t.elapsed();
+        results.insert(
+            "release_fanout".into(),
+            json!({"volumes": args.fanout, "seconds_others_released": others.as_secs_f64(),
+                   "seconds_one_volume_alone": one.as_secs_f64(),
+                   "ratio": others.as_secs_f64() / one.as_secs_f64()}),
+        );
+        table.push((
+            format!(
+                "release of {} volumes with one hung: the others",
+                args.fanout
+            ),
+            format!(
+                "{:.3} s vs {:.3} s for one alone = {:.1}x",
+                others.as_secs_f64(),
+                one.as_secs_f64(),
+                others.as_secs_f64() / one.as_secs_f64()
+            ),
+        ));
+        let _ = std::fs::remove_file(&setup.faults);
+        agent.kill();
+    }
+
+    let size = std::fs::metadata(&args.agent).map(|m| m.len()).unwrap_or(0);
+    results.insert("binary_bytes".into(), json!(size));
+    table.push((
+        "agent binary size".into(),
+        format!("{:.1} MiB", size as f64 / 1048576.0),
+    ));
+
+    let width = table.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in &table {
+        println!("{k:<width$}  {v}");
+    }
+    if let Some(dir) = args.out.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(
+        &args.out,
+        serde_json::to_string_pretty(&Value::Object(results)).expect("json"),
+    )
+    .expect("write results");
+    println!("results written to {}", args.out.display());
+}

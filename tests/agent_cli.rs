@@ -1,0 +1,1030 @@
+//! The `claimd` binary end to end: a real agent process, driven only
+//! through the same binary's client commands, against the real test CSI
+//! plugin process, with real mounts. Each test has its own directory
+//! (config, state, mount root, API socket, plugin) and runs in parallel with
+//! the others.
+
+mod agent_support;
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use agent_support::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// A test's world. Field order is drop order: the agent dies first, then
+/// the plugin, then the directory is unmounted and removed.
+struct World {
+    agent: Agent,
+    plugin: TestPlugin,
+    dir: TestDir,
+}
+
+impl World {
+    /// The test plugin (stage + controller) and an agent configured for it.
+    fn new(tweak: impl FnOnce(&mut AgentConfig)) -> World {
+        let dir = TestDir::new();
+        let plugin = TestPlugin::builder(dir.path()).start();
+        let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
+        tweak(&mut config);
+        let agent = Agent::start(dir.path(), config);
+        World { agent, plugin, dir }
+    }
+
+    fn mount_root(&self) -> PathBuf {
+        self.agent.config.mount_root.clone()
+    }
+
+    /// Waits until `plugin list` shows the test plugin ready.
+    fn wait_plugin_ready(&self) {
+        wait_until(Duration::from_secs(20), "the plugin to be ready", || {
+            let out = self.agent.cli(&["plugin", "list", "--json"]).ok();
+            out.json()["plugins"][0]["health"] == "ready"
+        });
+    }
+
+    /// `alloc mount ALLOC --volume data=VOLUME --json`; must succeed; the
+    /// host path.
+    fn mount(&self, alloc: &str, volume: &str) -> PathBuf {
+        let spec = format!("data={volume}");
+        let out = self
+            .agent
+            .cli(&["alloc", "mount", alloc, "--volume", &spec, "--json"])
+            .ok();
+        let v = out.json();
+        PathBuf::from(
+            v["volumes"][0]["host_path"]
+                .as_str()
+                .expect("host_path is a string"),
+        )
+    }
+}
+
+/// `<mount_root>/per-alloc/<alloc>/<volume>/rw-file-system-<mode>`.
+fn target_path(mount_root: &Path, alloc: &str, volume: &str, mode: &str) -> PathBuf {
+    mount_root
+        .join("per-alloc")
+        .join(alloc)
+        .join(volume)
+        .join(format!("rw-file-system-{mode}"))
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+// ---- 1. Full cycle ---------------------------------------------------------
+
+#[test]
+fn full_cycle_register_mount_status_release() {
+    let w = World::new(|_| {});
+    let agent = &w.agent;
+    let mount_root = w.mount_root();
+
+    // Register from a file.
+    let vol_file = w.dir.path().join("db.json");
+    fs::write(
+        &vol_file,
+        serde_json::to_vec(&volume_json("db", "ext-db", &["single-node-writer"])).expect("json"),
+    )
+    .expect("write volume file");
+    let out = agent
+        .cli(&["volume", "register", vol_file.to_str().expect("utf-8")])
+        .ok();
+    assert_eq!(out.stdout.trim(), "volume db registered");
+    let list = agent.cli(&["volume", "list", "--json"]).ok().json();
+    assert_eq!(list["volumes"].as_array().expect("array").len(), 1);
+    assert_eq!(list["volumes"][0]["id"], "db");
+    assert_eq!(list["volumes"][0]["plugin_id"], PLUGIN_ID);
+    assert_eq!(list["volumes"][0]["external_id"], "ext-db");
+    assert_eq!(
+        list["volumes"][0]["access_modes"],
+        json!(["single-node-writer"])
+    );
+
+    // Plugin list: ready, with the plugin's node ID and capabilities.
+    w.wait_plugin_ready();
+    let plugins = agent.cli(&["plugin", "list", "--json"]).ok().json();
+    let p = &plugins["plugins"][0];
+    assert_eq!(plugins["plugins"].as_array().expect("array").len(), 1);
+    assert_eq!(p["id"], PLUGIN_ID);
+    assert_eq!(p["type"], "monolith");
+    assert_eq!(p["health"], "ready");
+    assert_eq!(p["node_id"], "test-node");
+    assert_eq!(p["name"], "claimd.test.plugin");
+    let caps: Vec<String> = serde_json::from_value(p["capabilities"].clone()).expect("caps");
+    for c in [
+        "CONTROLLER_SERVICE",
+        "STAGE_UNSTAGE_VOLUME",
+        "PUBLISH_UNPUBLISH_VOLUME",
+    ] {
+        assert!(caps.iter().any(|x| x == c), "{c} missing from {caps:?}");
+    }
+    let table = agent.cli(&["plugin", "list"]).ok();
+    assert!(
+        table.stdout.contains("ready") && table.stdout.contains("test-node"),
+        "{}",
+        table.stdout
+    );
+
+    // Mount: the table names the host path.
+    let expected = target_path(&mount_root, "a1", "db", "single-node-writer");
+    let out = agent
+        .cli(&["alloc", "mount", "a1", "--volume", "data=db"])
+        .ok();
+    assert!(
+        out.stdout.contains(expected.to_str().expect("utf-8")),
+        "host path {} not in:\n{}",
+        expected.display(),
+        out.stdout
+    );
+    assert!(out.stdout.contains("data") && out.stdout.contains("rw"));
+    let after_mount = volume_methods(&w.plugin.call_log());
+    assert_eq!(after_mount, strings(&[CP, NS, NP]));
+
+    // Mounting again with the same request is idempotent and answers the
+    // same path as JSON, with no CSI call.
+    let j = agent
+        .cli(&["alloc", "mount", "a1", "--volume", "data=db", "--json"])
+        .ok()
+        .json();
+    assert_eq!(j["alloc_id"], "a1");
+    assert_eq!(j["volumes"].as_array().expect("array").len(), 1);
+    assert_eq!(j["volumes"][0]["alias"], "data");
+    assert_eq!(j["volumes"][0]["volume_id"], "db");
+    assert_eq!(j["volumes"][0]["read_only"], false);
+    assert_eq!(j["volumes"][0]["block"], false);
+    assert_eq!(j["volumes"][0]["host_path"], json!(expected));
+    assert_eq!(volume_methods(&w.plugin.call_log()), after_mount);
+
+    // A real, writable mount of the plugin's volume directory.
+    let m = mount_at(&expected).expect("the host path is a mount point");
+    assert!(!m.read_only(), "{m:?}");
+    fs::write(expected.join("hello.txt"), b"hello from a1").expect("write into the mount");
+    assert_eq!(
+        fs::read(w.plugin.volume_dir("ext-db").join("hello.txt")).expect("lands in the volume"),
+        b"hello from a1"
+    );
+
+    // Status: table and JSON; the state file agrees.
+    let st = agent.cli(&["alloc", "status", "a1", "--json"]).ok().json();
+    let a = &st["allocs"][0];
+    assert_eq!(a["id"], "a1");
+    assert_eq!(a["releasing"], false);
+    assert_eq!(a["volumes"][0]["alias"], "data");
+    assert_eq!(a["volumes"][0]["volume_id"], "db");
+    assert_eq!(a["volumes"][0]["plugin_id"], PLUGIN_ID);
+    assert_eq!(a["volumes"][0]["phase"], "published");
+    assert_eq!(a["volumes"][0]["host_path"], json!(expected));
+    assert_eq!(a["volumes"][0]["read_only"], false);
+    assert_eq!(a["volumes"][0]["attachment_mode"], "file-system");
+    assert_eq!(a["volumes"][0]["release_state"], "");
+    let all = agent.cli(&["alloc", "status"]).ok();
+    assert!(
+        all.stdout.contains("a1") && all.stdout.contains("published"),
+        "{}",
+        all.stdout
+    );
+    let state = agent.state();
+    assert_eq!(
+        state["allocs"]["a1"]["volumes"]["data"]["phase"],
+        "published"
+    );
+    assert_eq!(state["claims"].as_array().expect("claims").len(), 1);
+
+    // Release and wait.
+    let out = agent.cli(&["alloc", "release", "a1", "--wait", "30s"]).ok();
+    assert!(out.stdout.contains("released"), "{}", out.stdout);
+    let st = agent.cli(&["alloc", "status", "a1", "--json"]).ok().json();
+    assert_eq!(st["allocs"][0]["id"], "a1");
+    assert_eq!(st["allocs"][0]["releasing"], true);
+    assert_eq!(st["allocs"][0]["volumes"][0]["release_state"], "released");
+    assert_eq!(st["allocs"][0]["volumes"][0]["release_error"], "");
+    let all = agent.cli(&["alloc", "status", "--json"]).ok().json();
+    assert_eq!(all["allocs"], json!([]));
+
+    // Exactly the lifecycle calls, in order, all OK.
+    let calls = volume_calls(&w.plugin.call_log());
+    let expected_calls: Vec<(String, String)> = [CP, NS, NP, NUP, NUS, CUP]
+        .iter()
+        .map(|m| (m.to_string(), "OK".to_string()))
+        .collect();
+    assert_eq!(calls, expected_calls);
+
+    // Nothing left mounted or recorded.
+    assert_eq!(mounts_under(w.dir.path()), vec![]);
+    assert!(dir_is_empty(&mount_root.join("per-alloc")));
+    assert!(dir_is_empty(&mount_root.join("staging")));
+    let state = agent.state();
+    assert_eq!(state["allocs"], json!({}));
+    assert_eq!(state["claims"], json!([]));
+
+    // The data stays in the volume; the volume can be deregistered.
+    assert!(w.plugin.volume_dir("ext-db").join("hello.txt").exists());
+    let out = agent.cli(&["volume", "deregister", "db"]).ok();
+    assert_eq!(out.stdout.trim(), "volume db deregistered");
+    let list = agent.cli(&["volume", "list", "--json"]).ok().json();
+    assert_eq!(list["volumes"], json!([]));
+}
+
+// ---- 2. Many allocations at once -------------------------------------------
+
+#[test]
+fn two_hundred_allocations_mount_and_release_concurrently() {
+    const ALLOCS: usize = 200;
+    const OWN: usize = 100; // allocations 0..OWN each have their own volume
+    const PARALLEL: usize = 32;
+    let w = World::new(|c| c.csi_call_timeout = "10s".into());
+    let agent = &w.agent;
+    let mount_root = w.mount_root();
+
+    let mut vols: Vec<Value> = (0..OWN)
+        .map(|i| {
+            volume_json(
+                &format!("v{i:03}"),
+                &format!("ext-v{i:03}"),
+                &["single-node-writer"],
+            )
+        })
+        .collect();
+    vols.push(volume_json(
+        "shared",
+        "ext-shared",
+        &["single-node-multi-writer"],
+    ));
+    agent.register(&Value::Array(vols));
+    let volume_of = |i: usize| {
+        if i < OWN {
+            format!("v{i:03}")
+        } else {
+            "shared".to_string()
+        }
+    };
+
+    let started = Instant::now();
+    let mounted = parallel(ALLOCS, PARALLEL, |i| {
+        let spec = format!("data={}", volume_of(i));
+        agent.cli(&[
+            "alloc",
+            "mount",
+            &format!("alloc-{i:03}"),
+            "--volume",
+            &spec,
+            "--json",
+        ])
+    });
+    let mount_time = started.elapsed();
+    let mut paths = Vec::new();
+    for (i, out) in mounted.into_iter().enumerate() {
+        let out = out.ok();
+        let j = out.json();
+        assert_eq!(j["alloc_id"], format!("alloc-{i:03}"));
+        let p = PathBuf::from(j["volumes"][0]["host_path"].as_str().expect("host path"));
+        let mode = if i < OWN {
+            "single-node-writer"
+        } else {
+            "single-node-multi-writer"
+        };
+        assert_eq!(
+            p,
+            target_path(&mount_root, &format!("alloc-{i:03}"), &volume_of(i), mode)
+        );
+        paths.push(p);
+    }
+    // Every allocation is mounted: one publish mount each, one staging
+    // mount per volume.
+    let per_alloc = mounts_under(&mount_root.join("per-alloc"));
+    assert_eq!(per_alloc.len(), ALLOCS, "per-alloc mounts");
+    for p in &paths {
+        assert!(is_mount_point(p), "{} is not mounted", p.display());
+    }
+    assert_eq!(mounts_under(&mount_root.join("staging")).len(), OWN + 1);
+    let state = agent.state();
+    let allocs = state["allocs"].as_object().expect("allocs");
+    assert_eq!(allocs.len(), ALLOCS);
+    assert!(allocs
+        .values()
+        .all(|a| a["volumes"]["data"]["phase"] == "published"));
+    assert_eq!(state["claims"].as_array().expect("claims").len(), ALLOCS);
+    let status = agent.cli(&["alloc", "status", "--json"]).ok().json();
+    assert_eq!(status["allocs"].as_array().expect("allocs").len(), ALLOCS);
+    let log = w.plugin.call_log();
+    assert_eq!(count_calls(&log, CP, "OK"), OWN + 1);
+    assert_eq!(count_calls(&log, NS, "OK"), OWN + 1);
+    assert_eq!(count_calls(&log, NP, "OK"), ALLOCS);
+    assert_eq!(
+        volume_calls(&log).len(),
+        2 * (OWN + 1) + ALLOCS,
+        "no other calls"
+    );
+
+    let started = Instant::now();
+    let released = parallel(ALLOCS, PARALLEL, |i| {
+        agent.cli(&[
+            "alloc",
+            "release",
+            &format!("alloc-{i:03}"),
+            "--wait",
+            "60s",
+            "--json",
+        ])
+    });
+    let release_time = started.elapsed();
+    for out in released {
+        let j = out.ok().json();
+        assert_eq!(j["found"], true);
+        assert_eq!(j["done"], true);
+        assert_eq!(j["volumes"][0]["state"], "released");
+    }
+    assert_eq!(mounts_under(&mount_root), vec![]);
+    assert_eq!(mounts_under(w.dir.path()), vec![]);
+    let state = agent.state();
+    assert_eq!(state["allocs"], json!({}));
+    assert_eq!(state["claims"], json!([]));
+    assert!(dir_is_empty(&mount_root.join("per-alloc")));
+    assert!(dir_is_empty(&mount_root.join("staging")));
+    assert_eq!(count_calls(&log, NUP, "OK"), ALLOCS);
+    assert_eq!(count_calls(&log, NUS, "OK"), OWN + 1);
+    assert_eq!(count_calls(&log, CUP, "OK"), OWN + 1);
+    assert_eq!(
+        volume_calls(&log).len(),
+        4 * (OWN + 1) + 2 * ALLOCS,
+        "no other calls"
+    );
+    // Per volume, the calls come in lifecycle order: an own volume sees
+    // exactly one of each; the shared one is attached and staged once,
+    // published per allocation, and unstaged and detached after its last
+    // unpublish.
+    let mut by_volume: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for c in log.calls() {
+        let m = c["method"].as_str().expect("method");
+        if IDENTITY_METHODS.contains(&m) {
+            continue;
+        }
+        let v = c["volume_id"].as_str().expect("volume_id").to_string();
+        by_volume.entry(v).or_default().push(m.to_string());
+    }
+    assert_eq!(by_volume.len(), OWN + 1);
+    for i in 0..OWN {
+        assert_eq!(
+            by_volume[&format!("ext-v{i:03}")],
+            strings(&[CP, NS, NP, NUP, NUS, CUP]),
+            "ext-v{i:03}"
+        );
+    }
+    let shared = &by_volume["ext-shared"];
+    let shared_allocs = ALLOCS - OWN;
+    let mut want = strings(&[CP, NS]);
+    want.extend(std::iter::repeat(NP.to_string()).take(shared_allocs));
+    want.extend(std::iter::repeat(NUP.to_string()).take(shared_allocs));
+    want.extend(strings(&[NUS, CUP]));
+    assert_eq!(shared, &want, "calls of the shared volume");
+    eprintln!(
+        "{ALLOCS} allocations, {PARALLEL} at a time: mounted in {mount_time:?}, released in {release_time:?}"
+    );
+}
+
+// ---- 3. A plugin that comes up late ------------------------------------------
+
+#[test]
+fn mount_waits_for_a_plugin_that_starts_late() {
+    const PLUGIN_DELAY: Duration = Duration::from_secs(10);
+    let dir = TestDir::new();
+    let plugin_socket = dir.path().join("plugin").join("csi.sock");
+    let mut config = AgentConfig::new(dir.path(), Some(&plugin_socket));
+    config.plugin_wait_timeout = "60s".into();
+    let agent_started = Instant::now();
+    let agent = Agent::start(dir.path(), config);
+    agent.register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    let plugins = agent.cli(&["plugin", "list", "--json"]).ok().json();
+    assert_ne!(plugins["plugins"][0]["health"], "ready");
+
+    let mount = thread::scope(|s| {
+        let mounting = s.spawn(|| {
+            let out = agent.cli(&["alloc", "mount", "a1", "--volume", "data=db", "--json"]);
+            (out, Instant::now())
+        });
+        // The request is in: recorded, and waiting on the plugin.
+        wait_until(
+            Duration::from_secs(20),
+            "the mount to wait for the plugin",
+            || {
+                let st = agent.cli(&["alloc", "status", "a1", "--json"]);
+                st.code == EXIT_OK
+                    && st.json()["allocs"][0]["volumes"][0]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("waiting for node plugin testplug"))
+            },
+        );
+        assert_eq!(
+            agent.state()["allocs"]["a1"]["volumes"]["data"]["phase"],
+            "claiming"
+        );
+        // The plugin's start is scheduled ten seconds after the agent's.
+        thread::sleep(PLUGIN_DELAY.saturating_sub(agent_started.elapsed()));
+        assert!(
+            !mounting.is_finished(),
+            "the mount returned before the plugin started"
+        );
+        let plugin_started = Instant::now();
+        let plugin = TestPlugin::builder(dir.path()).start();
+        let (out, returned) = mounting.join().expect("mount thread");
+        (out, returned, plugin_started, plugin)
+    });
+    let (out, returned, plugin_started, plugin) = mount;
+    let out = out.ok();
+    assert!(
+        returned >= plugin_started,
+        "the mount returned before the plugin started"
+    );
+    assert!(returned.duration_since(agent_started) >= PLUGIN_DELAY);
+    let host = PathBuf::from(
+        out.json()["volumes"][0]["host_path"]
+            .as_str()
+            .expect("path"),
+    );
+    assert!(is_mount_point(&host));
+    assert!(
+        out.stderr.contains("waiting for node plugin testplug"),
+        "the client shows what it waits on; stderr:\n{}",
+        out.stderr
+    );
+    assert_eq!(volume_methods(&plugin.call_log()), strings(&[CP, NS, NP]));
+    eprintln!(
+        "mount returned {:?} after the plugin started ({:?} after the agent)",
+        returned.duration_since(plugin_started),
+        returned.duration_since(agent_started)
+    );
+    agent.cli(&["alloc", "release", "a1", "--wait", "30s"]).ok();
+    assert_eq!(mounts_under(dir.path()), vec![]);
+}
+
+// ---- 4. SIGTERM during a stuck release ---------------------------------------
+
+fn sigterm_during_stuck_release(fault: Value) {
+    const CALL_TIMEOUT_S: u64 = 2;
+    let mut w = World::new(|c| c.csi_call_timeout = format!("{CALL_TIMEOUT_S}s"));
+    w.agent
+        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    let host = w.mount("a1", "db");
+    assert!(is_mount_point(&host));
+    let hangs = fault["action"] == "hang";
+    w.plugin.faults().set(json!([fault]));
+
+    let out = w.agent.cli(&["alloc", "release", "a1"]).ok();
+    assert!(out.stdout.contains("data"), "{}", out.stdout);
+    // The release is stuck in NodeUnpublishVolume.
+    wait_until(Duration::from_secs(20), "the release to be stuck", || {
+        if hangs {
+            w.plugin
+                .stderr_text()
+                .lines()
+                .any(|l| l.contains("NodeUnpublishVolume") && l.contains("hanging"))
+        } else {
+            count_calls(&w.plugin.call_log(), NUP, "UNAVAILABLE") >= 1
+                && w.agent
+                    .cli(&["alloc", "status", "a1", "--json"])
+                    .ok()
+                    .json()["allocs"][0]["volumes"][0]["release_state"]
+                    == "retrying"
+        }
+    });
+
+    let bound = Duration::from_secs(CALL_TIMEOUT_S) + Duration::from_secs(1);
+    let (status, took) = w.agent.terminate(Duration::from_secs(30));
+    eprintln!("agent exited {took:?} after SIGTERM (bound {bound:?})");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    assert!(
+        took <= bound,
+        "the agent took {took:?} to stop (bound {bound:?})"
+    );
+    // Nothing was unmounted and the allocation is still recorded.
+    assert!(is_mount_point(&host), "a graceful stop unmounts nothing");
+    let state = w.agent.state();
+    let a1 = &state["allocs"]["a1"];
+    assert_eq!(a1["releasing"], true, "{state:#}");
+    assert_eq!(a1["volumes"]["data"]["phase"], "unpublishing", "{state:#}");
+    assert_eq!(state["claims"].as_array().expect("claims").len(), 1);
+    assert!(w.agent.log().contains("signal 15 received"), "log");
+
+    // Clear the fault and restart: the release finishes by itself.
+    w.plugin.faults().clear();
+    w.agent.restart();
+    wait_until(
+        Duration::from_secs(30),
+        "the resumed release to finish",
+        || w.agent.state_allocs().is_empty() && !is_mount_point(&host),
+    );
+    let state = w.agent.state();
+    assert_eq!(state["claims"], json!([]));
+    assert_eq!(mounts_under(w.dir.path()), vec![]);
+    let all = w.agent.cli(&["alloc", "status", "--json"]).ok().json();
+    assert_eq!(all["allocs"], json!([]));
+    let log = w.plugin.call_log();
+    assert_eq!(count_calls(&log, NUP, "OK"), 1);
+    assert_eq!(count_calls(&log, NUS, "OK"), 1);
+    assert_eq!(count_calls(&log, CUP, "OK"), 1);
+    let calls = volume_calls(&log);
+    let ok: Vec<String> = calls
+        .iter()
+        .filter(|(_, c)| c == "OK")
+        .map(|(m, _)| m.clone())
+        .collect();
+    assert_eq!(ok, strings(&[CP, NS, NP, NUP, NUS, CUP]));
+    let failed: Vec<&(String, String)> = calls.iter().filter(|(_, c)| c != "OK").collect();
+    assert!(
+        failed.iter().all(|(m, c)| m == NUP && c == "UNAVAILABLE"),
+        "{failed:?}"
+    );
+    if hangs {
+        assert!(
+            failed.is_empty(),
+            "hung calls are never answered: {failed:?}"
+        );
+    }
+}
+
+#[test]
+fn sigterm_during_hanging_release_exits_in_time_and_resumes() {
+    sigterm_during_stuck_release(json!({"method": "NodeUnpublishVolume", "action": "hang"}));
+}
+
+#[test]
+fn sigterm_during_failing_release_exits_in_time_and_resumes() {
+    sigterm_during_stuck_release(json!({
+        "method": "NodeUnpublishVolume", "action": "fail", "code": "UNAVAILABLE",
+        "message": "storage backend unreachable"
+    }));
+}
+
+// ---- 5. --dev -------------------------------------------------------------
+
+/// An agent in `--dev` mode whose throwaway directory lands inside the test
+/// directory (TMPDIR), so the test directory's cleanup covers it.
+fn dev_world() -> (World, PathBuf) {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).start();
+    let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
+    config.csi_call_timeout = "2s".into();
+    let tmp = dir.path().to_str().expect("utf-8").to_string();
+    let agent = Agent::start_with(dir.path(), "agent", config, true, &[("TMPDIR", &tmp)]);
+    let dev_dir = dir
+        .path()
+        .join(format!("claimd-dev-{}", agent.pid().expect("running")));
+    let w = World { agent, plugin, dir };
+    w.agent
+        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    (w, dev_dir)
+}
+
+#[test]
+fn dev_mode_with_the_plugin_killed_exits_within_its_bound() {
+    let (mut w, dev_dir) = dev_world();
+    let host = w.mount("a1", "db");
+    assert!(
+        host.starts_with(dev_dir.join("mounts")),
+        "--dev mounts under its throwaway directory, not {}",
+        host.display()
+    );
+    assert!(is_mount_point(&host));
+    w.plugin.kill();
+    let (status, took) = w.agent.terminate(Duration::from_secs(60));
+    eprintln!("dev agent exited {took:?} after SIGTERM with the plugin gone");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    let log = w.agent.log();
+    assert!(
+        log.contains("dev mode: releasing 1 allocation(s) before exit"),
+        "log"
+    );
+    // The release could not happen; it stays recorded in the dev state.
+    let state: Value = serde_json::from_slice(
+        &fs::read(dev_dir.join("state").join("state.json")).expect("dev state file"),
+    )
+    .expect("JSON");
+    assert_eq!(state["allocs"]["a1"]["releasing"], true, "{state:#}");
+}
+
+#[test]
+fn dev_mode_releases_everything_on_stop() {
+    let (mut w, dev_dir) = dev_world();
+    let host = w.mount("a1", "db");
+    assert!(host.starts_with(dev_dir.join("mounts")));
+    let (status, took) = w.agent.terminate(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert_eq!(mounts_under(w.dir.path()), vec![]);
+    // Everything was released, so the throwaway directory is gone too.
+    assert!(!dev_dir.exists(), "{} was left behind", dev_dir.display());
+    assert!(w
+        .agent
+        .log()
+        .contains("dev mode: releasing 1 allocation(s) before exit"));
+    assert_eq!(
+        volume_methods(&w.plugin.call_log()),
+        strings(&[CP, NS, NP, NUP, NUS, CUP])
+    );
+}
+
+// ---- 6. Bad input ------------------------------------------------------------
+
+#[test]
+fn bad_input_is_refused_with_a_message_and_changes_nothing() {
+    let w = World::new(|_| {});
+    let agent = &w.agent;
+    agent.register(&json!([
+        volume_json("db", "ext-db", &["single-node-writer"]),
+        volume_json("ro-only", "ext-ro", &["multi-node-reader-only"]),
+    ]));
+    let held = w.mount("holder", "db");
+    let before = agent.state_bytes();
+    let mounts_before = mounts_under(w.dir.path());
+    let calls_before = volume_calls(&w.plugin.call_log());
+
+    let bad_file = w.dir.path().join("bad.json");
+    let mut bad = volume_json("new", "ext-new", &["single-node-writer"]);
+    bad["size"] = json!("10G");
+    fs::write(&bad_file, serde_json::to_vec(&bad).expect("json")).expect("write");
+    let bad_file = bad_file.to_str().expect("utf-8");
+
+    // (args, exit code, what stderr must say)
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["alloc", "mount", "a1", "--volume", "data=nosuch"],
+            EXIT_FAILED,
+            "volume nosuch is not registered",
+        ),
+        (
+            vec!["alloc", "mount", "../x", "--volume", "data=db"],
+            EXIT_USAGE,
+            "invalid allocation ID \"../x\"",
+        ),
+        (
+            vec!["alloc", "mount", "a1", "--volume", "a/b=db"],
+            EXIT_USAGE,
+            "invalid alias ID \"a/b\"",
+        ),
+        (
+            vec!["alloc", "mount", "a1", "--volume", "data=db", "--volume", "data=ro-only,ro"],
+            EXIT_USAGE,
+            "alias data is given twice",
+        ),
+        (
+            vec!["alloc", "mount", "a1", "--volume", "data=ro-only"],
+            EXIT_USAGE,
+            "a read-write request needs a writable access mode; the volume only has multi-node-reader-only",
+        ),
+        (
+            vec!["alloc", "mount", "a1", "--volume", "data=ro-only,access=multi-node-reader-only"],
+            EXIT_USAGE,
+            "a read-write request is impossible with access mode multi-node-reader-only",
+        ),
+        (
+            vec!["alloc", "mount", "a1"],
+            EXIT_USAGE,
+            "needs at least one --volume",
+        ),
+        (
+            vec!["volume", "register", bad_file],
+            EXIT_USAGE,
+            "unknown field `size`",
+        ),
+        (
+            vec!["alloc", "release", "../x"],
+            EXIT_USAGE,
+            "invalid allocation ID \"../x\"",
+        ),
+        (
+            vec!["alloc", "status", "nosuch"],
+            EXIT_FAILED,
+            "allocation nosuch is not known to this agent",
+        ),
+        (
+            vec!["volume", "deregister", "db"],
+            EXIT_FAILED,
+            "volume db is in use by allocation holder",
+        ),
+    ];
+    for (args, code, msg) in &cases {
+        let out = agent.cli(args).expect_code(*code);
+        assert!(
+            out.stderr.contains(msg),
+            "`claimd {}`: stderr lacks {msg:?}:\n{}",
+            args.join(" "),
+            out.stderr
+        );
+        assert!(
+            out.stderr.starts_with("claimd: "),
+            "`claimd {}`: {}",
+            args.join(" "),
+            out.stderr
+        );
+        assert_eq!(
+            out.stdout,
+            "",
+            "`claimd {}` prints nothing on stdout",
+            args.join(" ")
+        );
+        assert_eq!(
+            agent.state_bytes(),
+            before,
+            "`claimd {}` changed the state file",
+            args.join(" ")
+        );
+    }
+
+    // Releasing an unknown allocation succeeds and says so.
+    let out = agent.cli(&["alloc", "release", "nosuch"]).ok();
+    assert_eq!(
+        out.stdout.trim(),
+        "allocation nosuch is not known to the agent: nothing to release"
+    );
+    let j = agent
+        .cli(&["alloc", "release", "nosuch", "--wait", "1s", "--json"])
+        .ok()
+        .json();
+    assert_eq!(j["found"], false);
+    assert_eq!(agent.state_bytes(), before);
+
+    // Nothing was mounted, unmounted or called.
+    assert_eq!(mounts_under(w.dir.path()), mounts_before);
+    assert!(is_mount_point(&held));
+    assert_eq!(volume_calls(&w.plugin.call_log()), calls_before);
+
+    // No agent at the socket: missing file, and a stale socket file.
+    let missing = w.dir.path().join("nobody.sock");
+    let stale = w.dir.path().join("stale.sock");
+    drop(UnixListener::bind(&stale).expect("bind"));
+    assert!(stale.exists());
+    for sock in [&missing, &stale] {
+        for args in [
+            &["plugin", "list"][..],
+            &["volume", "list", "--json"][..],
+            &["alloc", "mount", "a1", "--volume", "data=db"][..],
+            &["alloc", "release", "a1"][..],
+        ] {
+            let out = cli_at(sock, args).expect_code(EXIT_UNREACHABLE);
+            let want = format!("agent not running at {}", sock.display());
+            assert!(
+                out.stderr.contains(&want),
+                "{want:?} not in {:?}",
+                out.stderr
+            );
+        }
+    }
+    // CLAIMD_SOCKET is honoured too.
+    let out = run_claimd(
+        &["plugin", "list"],
+        None,
+        &[("CLAIMD_SOCKET", missing.to_str().expect("utf-8"))],
+        CLI_TIMEOUT,
+    )
+    .expect_code(EXIT_UNREACHABLE);
+    assert!(out
+        .stderr
+        .contains(&format!("agent not running at {}", missing.display())));
+    assert_eq!(agent.state_bytes(), before);
+}
+
+// ---- 7. Socket permissions ---------------------------------------------------
+
+#[test]
+fn api_socket_is_private() {
+    let w = World::new(|c| {
+        c.api_socket = c
+            .api_socket
+            .parent()
+            .expect("parent")
+            .join("api")
+            .join("claimd.sock")
+    });
+    let socket = &w.agent.config.api_socket;
+    let meta = fs::metadata(socket).expect("socket");
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode");
+    for dir in [socket.parent().expect("dir"), &w.dir.path().join("run")] {
+        let mode = fs::metadata(dir).expect("dir").permissions().mode() & 0o777;
+        assert_eq!(mode & 0o007, 0, "{} is mode {mode:o}", dir.display());
+        assert_eq!(mode, 0o700, "{} is mode {mode:o}", dir.display());
+    }
+    // The state (which holds secrets) is private too.
+    let state_mode = fs::metadata(w.agent.state_path())
+        .expect("state")
+        .permissions()
+        .mode();
+    assert_eq!(state_mode & 0o777, 0o600);
+    w.agent.cli(&["plugin", "list"]).ok();
+}
+
+// ---- 8. One agent per state dir; stale socket --------------------------------
+
+#[test]
+fn second_agent_is_refused_and_stale_socket_is_replaced() {
+    let mut w = World::new(|_| {});
+    w.agent
+        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    let host = w.mount("a1", "db");
+    let before = w.agent.state_bytes();
+
+    // A second agent on the same state directory, with its own socket and
+    // with the first one's socket: both refuse to start.
+    let mut own_socket = w.agent.config.clone();
+    own_socket.api_socket = w.dir.path().join("run2").join("claimd.sock");
+    let same_socket = w.agent.config.clone();
+    for (name, config) in [("second", own_socket), ("third", same_socket)] {
+        let socket = config.api_socket.clone();
+        let mut other = Agent::prepare(w.dir.path(), name, config, false, &[]);
+        other.spawn();
+        let status = other.wait_exit(Duration::from_secs(30));
+        assert_eq!(status.code(), Some(1), "{name}: {status}");
+        let log = other.log();
+        assert!(
+            log.contains("another claimd agent is using the state directory")
+                && log.contains("claimd.lock"),
+            "{name}: {log}"
+        );
+        if socket != w.agent.config.api_socket {
+            assert!(!socket.exists(), "{name} created its socket");
+        }
+        // The first agent is untouched.
+        w.agent.cli(&["plugin", "list"]).ok();
+        assert_eq!(w.agent.state_bytes(), before);
+    }
+
+    // SIGKILL leaves the socket file behind; a restart replaces it.
+    let socket = w.agent.config.api_socket.clone();
+    let calls = volume_calls(&w.plugin.call_log());
+    w.agent
+        .signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(fs::symlink_metadata(&socket)
+        .expect("socket left behind")
+        .file_type()
+        .is_socket());
+    cli_at(&socket, &["plugin", "list"]).expect_code(EXIT_UNREACHABLE);
+    w.agent.restart();
+    assert!(w.agent.log().contains("removing stale API socket"), "log");
+    let meta = fs::metadata(&socket).expect("socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let st = w
+        .agent
+        .cli(&["alloc", "status", "a1", "--json"])
+        .ok()
+        .json();
+    assert_eq!(st["allocs"][0]["volumes"][0]["phase"], "published");
+    // The intact mount cost no CSI call.
+    assert!(is_mount_point(&host));
+    assert_eq!(volume_calls(&w.plugin.call_log()), calls);
+    w.agent
+        .cli(&["alloc", "release", "a1", "--wait", "30s"])
+        .ok();
+    assert_eq!(mounts_under(w.dir.path()), vec![]);
+}
+
+// ---- 9. Secrets --------------------------------------------------------------
+
+#[test]
+fn secrets_never_leave_the_state_file() {
+    const SECRET: &str = "s3cr3t-Pa55w0rd-9f1c";
+    let w = World::new(|_| {});
+    let agent = &w.agent;
+    let mut vol = volume_json("db", "ext-db", &["single-node-writer"]);
+    vol["secrets"] = json!({"password": SECRET});
+    vol["context"] = json!({"tier": "gold"});
+    let mut outputs = vec![agent.register(&vol)];
+
+    let list = agent.cli(&["volume", "list", "--json"]).ok();
+    let j = list.json();
+    assert_eq!(j["volumes"][0]["secret_keys"], json!(["password"]));
+    assert_eq!(j["volumes"][0]["context"], json!({"tier": "gold"}));
+    outputs.push(list);
+    outputs.push(agent.cli(&["volume", "list"]).ok());
+    outputs.push(
+        agent
+            .cli(&["alloc", "mount", "a1", "--volume", "data=db", "--json"])
+            .ok(),
+    );
+    outputs.push(agent.cli(&["alloc", "status", "--json"]).ok());
+    outputs.push(agent.cli(&["alloc", "status"]).ok());
+    // Replacing a claimed volume is refused; the message names no secret.
+    let mut changed = vol.clone();
+    changed["secrets"] = json!({"password": format!("{SECRET}-new")});
+    let socket = agent.config.api_socket.to_str().expect("utf-8");
+    let text = serde_json::to_vec(&changed).expect("json");
+    let out = run_claimd(
+        &["volume", "register", "-", "--socket", socket],
+        Some(&text),
+        &[],
+        CLI_TIMEOUT,
+    )
+    .expect_code(EXIT_FAILED);
+    assert!(
+        out.stderr.contains("in use by allocation a1"),
+        "{}",
+        out.stderr
+    );
+    outputs.push(out);
+    outputs.push(
+        agent
+            .cli(&["alloc", "release", "a1", "--wait", "30s", "--json"])
+            .ok(),
+    );
+    for out in &outputs {
+        assert!(
+            !out.stdout.contains(SECRET) && !out.stderr.contains(SECRET),
+            "`claimd {}` shows the secret:\n{}\n{}",
+            out.args.join(" "),
+            out.stdout,
+            out.stderr
+        );
+    }
+
+    // The plugin got the secret (by key) on every call that takes secrets,
+    // and its call log never shows the value.
+    let log = w.plugin.call_log();
+    assert_eq!(volume_methods(&log), strings(&[CP, NS, NP, NUP, NUS, CUP]));
+    for m in [CP, NS, NP, CUP] {
+        let calls = log.calls_of(m);
+        assert_eq!(calls[0]["secret_keys"], json!(["password"]), "{m}");
+    }
+    assert!(!log.raw().contains(SECRET), "the call log shows the secret");
+
+    // The agent's debug log never shows it.
+    let agent_log = agent.log();
+    assert!(agent_log.contains("DEBUG"), "the agent logs at debug level");
+    assert!(
+        agent_log.contains("ControllerPublishVolume") || agent_log.contains("NodePublishVolume"),
+        "the debug log shows CSI calls"
+    );
+    assert!(
+        !agent_log.contains(SECRET),
+        "the agent log shows the secret"
+    );
+
+    // Only the private state file keeps it.
+    let state = String::from_utf8(agent.state_bytes()).expect("utf-8");
+    assert!(state.contains(SECRET));
+    let mode = fs::metadata(agent.state_path())
+        .expect("state")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+// ---- Progress messages -------------------------------------------------------
+
+/// While a mount is busy in a CSI call, neither `alloc status` nor the
+/// client's progress lines may claim it waits for a plugin that is ready.
+#[test]
+fn mount_progress_does_not_blame_a_ready_plugin() {
+    let w = World::new(|_| {});
+    w.agent
+        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    w.plugin.faults().set(json!([
+        {"method": "NodeStageVolume", "action": "delay", "ms": 4000}
+    ]));
+    let (out, message) = thread::scope(|s| {
+        let mounting = s.spawn(|| {
+            w.agent
+                .cli(&["alloc", "mount", "a1", "--volume", "data=db"])
+        });
+        wait_until(
+            Duration::from_secs(20),
+            "NodeStageVolume to be delayed",
+            || {
+                w.plugin
+                    .stderr_text()
+                    .lines()
+                    .any(|l| l.contains("NodeStageVolume") && l.contains("delaying"))
+            },
+        );
+        let st = w
+            .agent
+            .cli(&["alloc", "status", "a1", "--json"])
+            .ok()
+            .json();
+        let message = st["allocs"][0]["volumes"][0]["message"].clone();
+        (mounting.join().expect("mount thread"), message)
+    });
+    let out = out.ok();
+    let plugins = w.agent.cli(&["plugin", "list", "--json"]).ok().json();
+    assert_eq!(plugins["plugins"][0]["health"], "ready");
+    assert!(
+        !message
+            .as_str()
+            .is_some_and(|m| m.contains("waiting for node plugin")),
+        "status during NodeStageVolume says {message}, but the plugin is ready"
+    );
+    assert!(
+        !out.stderr.contains("waiting for node plugin"),
+        "the client told the user it waits for a ready plugin:\n{}",
+        out.stderr
+    );
+}

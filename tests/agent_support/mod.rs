@@ -1,0 +1,540 @@
+//! Harness for `tests/agent_cli.rs`: the real `claimd` binary as an agent
+//! process (config file, state directory, mount root and API socket all
+//! inside one test directory), the same binary's client commands with
+//! captured output and exit code, signals, and a guard that kills the agent
+//! when a test ends.
+//!
+//! Used as `mod agent_support;` next to `mod common;`.
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::common::*;
+
+/// The `claimd` binary under test.
+pub const CLAIMD: &str = env!("CARGO_BIN_EXE_claimd");
+/// claimd's node name (claims).
+pub const NODE_NAME: &str = "node-1";
+/// The plugin ID test volumes use.
+pub const PLUGIN_ID: &str = "testplug";
+/// How long an agent may take to listen on its API socket after start.
+pub const AGENT_START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client command may run before the test calls it hung.
+pub const CLI_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Exit codes of the CLI.
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_FAILED: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_UNREACHABLE: i32 = 3;
+
+/// CSI methods that only fingerprint or probe a plugin; everything else in
+/// a call log is a volume operation.
+pub const IDENTITY_METHODS: [&str; 6] = [
+    "GetPluginInfo",
+    "GetPluginCapabilities",
+    "Probe",
+    "NodeGetCapabilities",
+    "NodeGetInfo",
+    "ControllerGetCapabilities",
+];
+
+pub const CP: &str = "ControllerPublishVolume";
+pub const NS: &str = "NodeStageVolume";
+pub const NP: &str = "NodePublishVolume";
+pub const NUP: &str = "NodeUnpublishVolume";
+pub const NUS: &str = "NodeUnstageVolume";
+pub const CUP: &str = "ControllerUnpublishVolume";
+
+/// The volume calls of a call log, in order, with their codes.
+pub fn volume_calls(log: &CallLog) -> Vec<(String, String)> {
+    log.methods_and_codes()
+        .into_iter()
+        .filter(|(m, _)| !IDENTITY_METHODS.contains(&m.as_str()))
+        .collect()
+}
+
+/// The volume call methods of a call log, in order.
+pub fn volume_methods(log: &CallLog) -> Vec<String> {
+    volume_calls(log).into_iter().map(|(m, _)| m).collect()
+}
+
+/// How many calls of `method` ended with `code`.
+pub fn count_calls(log: &CallLog, method: &str, code: &str) -> usize {
+    log.methods_and_codes()
+        .iter()
+        .filter(|(m, c)| m == method && c == code)
+        .count()
+}
+
+// ---- Config ----------------------------------------------------------------
+
+/// What goes into the agent's config file. Paths default to places inside
+/// the test directory.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub state_dir: PathBuf,
+    pub api_socket: PathBuf,
+    pub mount_root: PathBuf,
+    /// (id, type, socket)
+    pub plugins: Vec<(String, String, PathBuf)>,
+    pub csi_call_timeout: String,
+    pub plugin_wait_timeout: String,
+    pub probe_interval: String,
+    pub release_retry_deadline: String,
+    pub claim_retry_deadline: String,
+}
+
+impl AgentConfig {
+    /// Everything under `dir`: `agent/state`, `run/claimd.sock`, `mounts`,
+    /// and the test plugin's socket as monolith `testplug` when given.
+    pub fn new(dir: &Path, plugin_socket: Option<&Path>) -> AgentConfig {
+        AgentConfig {
+            state_dir: dir.join("agent").join("state"),
+            api_socket: dir.join("run").join("claimd.sock"),
+            mount_root: dir.join("mounts"),
+            plugins: plugin_socket
+                .map(|s| {
+                    vec![(
+                        PLUGIN_ID.to_string(),
+                        "monolith".to_string(),
+                        s.to_path_buf(),
+                    )]
+                })
+                .unwrap_or_default(),
+            csi_call_timeout: "5s".into(),
+            plugin_wait_timeout: "20s".into(),
+            probe_interval: "2s".into(),
+            release_retry_deadline: "10m".into(),
+            claim_retry_deadline: "10s".into(),
+        }
+    }
+
+    pub fn to_json(&self) -> Value {
+        let plugins: Vec<Value> = self
+            .plugins
+            .iter()
+            .map(|(id, ty, socket)| json!({"id": id, "type": ty, "socket": socket}))
+            .collect();
+        json!({
+            "state_dir": self.state_dir,
+            "api_socket": self.api_socket,
+            "mount_root": self.mount_root,
+            "plugins": plugins,
+            "node_name": NODE_NAME,
+            "csi_call_timeout": self.csi_call_timeout,
+            "plugin_wait_timeout": self.plugin_wait_timeout,
+            "probe_interval": self.probe_interval,
+            "release_retry_deadline": self.release_retry_deadline,
+            "claim_retry_deadline": self.claim_retry_deadline,
+        })
+    }
+
+    /// Writes the config to `path` (parents created).
+    pub fn write(&self, path: &Path) {
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).expect("create the config directory");
+        }
+        let text = serde_json::to_vec_pretty(&self.to_json()).expect("encode config");
+        fs::write(path, text).expect("write config");
+    }
+}
+
+// ---- CLI -------------------------------------------------------------------
+
+/// What a client command did.
+#[derive(Clone, Debug)]
+pub struct CliOutput {
+    pub args: Vec<String>,
+    /// The exit code (-1 if killed by a signal).
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CliOutput {
+    /// Panics with the whole output unless the exit code is `code`.
+    pub fn expect_code(self, code: i32) -> CliOutput {
+        assert_eq!(
+            self.code,
+            code,
+            "`claimd {}` exited with {} (wanted {code})\nstdout:\n{}\nstderr:\n{}",
+            self.args.join(" "),
+            self.code,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    pub fn ok(self) -> CliOutput {
+        self.expect_code(EXIT_OK)
+    }
+
+    /// stdout as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| {
+            panic!(
+                "`claimd {}` stdout is not JSON ({e}):\n{}",
+                self.args.join(" "),
+                self.stdout
+            )
+        })
+    }
+}
+
+/// Runs `claimd ARGS` (no `--socket` added), with `stdin` fed in, and
+/// waits up to `timeout`; a command still running then is killed and the
+/// test fails.
+pub fn run_claimd(
+    args: &[&str],
+    stdin: Option<&[u8]>,
+    envs: &[(&str, &str)],
+    timeout: Duration,
+) -> CliOutput {
+    let mut cmd = Command::new(CLAIMD);
+    cmd.args(args)
+        .env_remove("CLAIMD_SOCKET")
+        .env_remove("RUST_LOG")
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start claimd");
+    if let Some(bytes) = stdin {
+        let mut pipe = child.stdin.take().expect("stdin is piped");
+        pipe.write_all(bytes).expect("write claimd's stdin");
+    }
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel::<io::Result<Output>>();
+    thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(timeout) {
+        Ok(out) => out.expect("wait for claimd"),
+        Err(_) => {
+            send_signal(pid, libc::SIGKILL);
+            let out = rx.recv().ok().and_then(Result::ok);
+            panic!(
+                "`claimd {}` did not finish within {timeout:?}; killed. stdout:\n{}\nstderr:\n{}",
+                args.join(" "),
+                out.as_ref()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                    .unwrap_or_default(),
+                out.as_ref()
+                    .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+                    .unwrap_or_default(),
+            );
+        }
+    };
+    CliOutput {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `claimd ARGS --socket SOCKET`.
+pub fn cli_at(socket: &Path, args: &[&str]) -> CliOutput {
+    let socket = socket.to_str().expect("socket path is UTF-8");
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend(["--socket", socket]);
+    run_claimd(&all, None, &[], CLI_TIMEOUT)
+}
+
+pub fn send_signal(pid: u32, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+    // SAFETY: plain kill(2) on a child we started.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+// ---- The agent ---------------------------------------------------------------
+
+/// A running (or stopped) `claimd agent` process, killed on drop.
+pub struct Agent {
+    pub config: AgentConfig,
+    pub config_path: PathBuf,
+    /// The agent's stderr, appended over restarts.
+    pub log_path: PathBuf,
+    pub dev: bool,
+    /// Extra environment of the agent process.
+    pub envs: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl Agent {
+    /// Writes the config into `<dir>/agent/config.json` and starts the
+    /// agent; waits until its API socket accepts connections.
+    pub fn start(dir: &Path, config: AgentConfig) -> Agent {
+        Self::start_with(dir, "agent", config, false, &[])
+    }
+
+    /// As `start`, with the config and log in `<dir>/<name>/`, `--dev` if
+    /// asked, and extra environment.
+    pub fn start_with(
+        dir: &Path,
+        name: &str,
+        config: AgentConfig,
+        dev: bool,
+        envs: &[(&str, &str)],
+    ) -> Agent {
+        let mut agent = Self::prepare(dir, name, config, dev, envs);
+        agent.spawn();
+        agent.wait_listening();
+        agent
+    }
+
+    /// Writes the config to `<dir>/<name>/config.json`; starts nothing.
+    pub fn prepare(
+        dir: &Path,
+        name: &str,
+        config: AgentConfig,
+        dev: bool,
+        envs: &[(&str, &str)],
+    ) -> Agent {
+        let config_path = dir.join(name).join("config.json");
+        config.write(&config_path);
+        Agent {
+            config,
+            config_path,
+            log_path: dir.join(name).join("stderr.log"),
+            dev,
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            child: None,
+        }
+    }
+
+    /// Starts the process (without waiting for the socket).
+    pub fn spawn(&mut self) {
+        assert!(self.child.is_none(), "agent already running");
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .expect("open the agent's log");
+        let mut cmd = Command::new(CLAIMD);
+        cmd.arg("agent").arg("--config").arg(&self.config_path);
+        if self.dev {
+            cmd.arg("--dev");
+        }
+        cmd.env_remove("CLAIMD_SOCKET")
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        for (k, v) in &self.envs {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().expect("start claimd agent"));
+    }
+
+    /// Waits until the API socket accepts a connection; panics with the log
+    /// if the agent exits first.
+    pub fn wait_listening(&mut self) {
+        let socket = self.config.api_socket.clone();
+        wait_until(
+            AGENT_START_TIMEOUT,
+            &format!("the agent to listen on {}", socket.display()),
+            || {
+                if let Some(status) = self.try_wait() {
+                    panic!(
+                        "the agent exited with {status} before listening:\n{}",
+                        self.log()
+                    );
+                }
+                UnixStream::connect(&socket).is_ok()
+            },
+        );
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// The exit status, if the agent has exited (reaped here).
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        match child.try_wait().expect("wait for the agent") {
+            Some(status) => {
+                self.child = None;
+                Some(status)
+            }
+            None => None,
+        }
+    }
+
+    /// Waits for the agent to exit on its own.
+    pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
+        let mut status = None;
+        wait_until(deadline, "the agent to exit", || {
+            status = self.try_wait();
+            status.is_some()
+        });
+        status.expect("wait_until returned, so the agent exited")
+    }
+
+    /// Sends `sig` and waits up to `deadline` for the exit; returns the
+    /// status and the time from the signal to the exit.
+    pub fn signal_and_wait(
+        &mut self,
+        sig: libc::c_int,
+        deadline: Duration,
+    ) -> (ExitStatus, Duration) {
+        let pid = self.pid().expect("agent running");
+        let start = Instant::now();
+        send_signal(pid, sig);
+        let status = self.wait_exit(deadline);
+        (status, start.elapsed())
+    }
+
+    /// SIGTERM, and the time it took to exit (bounded by `deadline`).
+    pub fn terminate(&mut self, deadline: Duration) -> (ExitStatus, Duration) {
+        self.signal_and_wait(libc::SIGTERM, deadline)
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the agent again with the same config; waits for its socket.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+        self.wait_listening();
+    }
+
+    /// A client command against this agent's socket.
+    pub fn cli(&self, args: &[&str]) -> CliOutput {
+        cli_at(&self.config.api_socket, args)
+    }
+
+    /// `volume register -` with `volumes` on stdin; must succeed.
+    pub fn register(&self, volumes: &Value) -> CliOutput {
+        let socket = self.config.api_socket.to_str().expect("UTF-8 socket path");
+        let text = serde_json::to_vec(volumes).expect("encode volumes");
+        run_claimd(
+            &["volume", "register", "-", "--socket", socket],
+            Some(&text),
+            &[],
+            CLI_TIMEOUT,
+        )
+        .ok()
+    }
+
+    /// The agent's stderr so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// `<state_dir>/state.json`.
+    pub fn state_path(&self) -> PathBuf {
+        self.config.state_dir.join("state.json")
+    }
+
+    pub fn state_bytes(&self) -> Vec<u8> {
+        fs::read(self.state_path()).expect("read the state file")
+    }
+
+    pub fn state(&self) -> Value {
+        serde_json::from_slice(&self.state_bytes()).expect("the state file is JSON")
+    }
+
+    /// The allocation records of the state file.
+    pub fn state_allocs(&self) -> serde_json::Map<String, Value> {
+        self.state()["allocs"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+        if thread::panicking() {
+            eprintln!(
+                "---- agent log ({}) ----\n{}",
+                self.log_path.display(),
+                self.log()
+            );
+        }
+    }
+}
+
+// ---- Volumes -------------------------------------------------------------------
+
+/// A file-system volume of the test plugin.
+pub fn volume_json(id: &str, external_id: &str, access_modes: &[&str]) -> Value {
+    json!({
+        "id": id,
+        "plugin_id": PLUGIN_ID,
+        "external_id": external_id,
+        "access_modes": access_modes,
+        "attachment_modes": ["file-system"],
+    })
+}
+
+/// Runs `f(i)` for every `i` in `0..n` on `threads` worker threads; the
+/// results come back in index order.
+pub fn parallel<R: Send>(n: usize, threads: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..n).map(|_| None).collect());
+    thread::scope(|s| {
+        for _ in 0..threads.min(n) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                results.lock().expect("results lock")[i] = Some(r);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("results lock")
+        .into_iter()
+        .map(|r| r.expect("every index ran"))
+        .collect()
+}
+
+/// Whether a directory is missing or has no entries.
+pub fn dir_is_empty(path: &Path) -> bool {
+    match fs::read_dir(path) {
+        Ok(mut it) => it.next().is_none(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+        Err(e) => panic!("read {}: {e}", path.display()),
+    }
+}
