@@ -17,7 +17,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::claims::Claim;
@@ -270,13 +270,34 @@ pub fn current_boot_id() -> Result<String, StateError> {
         .map_err(|source| StateError::BootId { source })
 }
 
+/// Group commit: changes of concurrent `update`s pile up in `pending` while
+/// one of them writes; the next writer makes the whole pile durable in one
+/// atomic rewrite. Sequence numbers tell each updater when its change is on
+/// disk.
+struct Commit {
+    /// What is on disk: what readers see.
+    committed: StateFile,
+    /// Changes applied but not yet durable, including the batch being
+    /// written; None when everything is durable.
+    pending: Option<StateFile>,
+    /// Sequence number of the latest change applied to `pending`.
+    applied: u64,
+    /// Every change up to this one is on disk.
+    durable: u64,
+    /// Every change up to this one failed to be written (and was dropped).
+    failed: u64,
+    failure: String,
+    writing: bool,
+}
+
 /// The state file and its in-memory copy. Every change goes through
-/// `update`, which holds the lock for the whole read-modify-write and makes
-/// the change durable before it is visible.
+/// `update`, which holds the lock for the whole read-modify-write and
+/// returns only once the change is durable; readers see only durable state.
 pub struct StateStore {
     dir: PathBuf,
     path: PathBuf,
-    state: Mutex<StateFile>,
+    state: Mutex<Commit>,
+    durable_changed: Condvar,
     /// Boot ID recorded in the file at open.
     recorded_boot_id: String,
     boot_id: String,
@@ -337,7 +358,16 @@ impl StateStore {
         let store = StateStore {
             dir: dir.to_path_buf(),
             path,
-            state: Mutex::new(state),
+            state: Mutex::new(Commit {
+                committed: state,
+                pending: None,
+                applied: 0,
+                durable: 0,
+                failed: 0,
+                failure: String::new(),
+                writing: false,
+            }),
+            durable_changed: Condvar::new(),
             recorded_boot_id,
             boot_id: boot_id.to_string(),
             writes: AtomicU64::new(0),
@@ -345,7 +375,7 @@ impl StateStore {
             _lock: lock,
         };
         if fresh {
-            let s = store.state.lock().clone();
+            let s = store.state.lock().committed.clone();
             store.write(&s)?;
         } else if let Ok(meta) = std::fs::metadata(&store.path) {
             if meta.permissions().mode() & 0o077 != 0 {
@@ -386,29 +416,83 @@ impl StateStore {
         )
     }
 
+    /// Reads the durable state.
     pub fn read<R>(&self, f: impl FnOnce(&StateFile) -> R) -> R {
-        f(&self.state.lock())
+        f(&self.state.lock().committed)
     }
 
     pub fn snapshot(&self) -> StateFile {
-        self.state.lock().clone()
+        self.state.lock().committed.clone()
     }
 
-    /// Applies `f` to a copy of the state; when it succeeds and changed
-    /// something, writes the copy durably and only then makes it current.
-    /// A failed write leaves both the file and the memory as they were.
+    /// Applies `f` to a copy of the latest state; when it succeeds and
+    /// changed something, returns once the change is durable. Concurrent
+    /// updates are written together in one atomic rewrite (group commit).
+    /// A failed write fails every change of its batch (and those applied on
+    /// top of it) and leaves the file and the durable state as they were.
     pub fn update<R, E: From<StateError>>(
         &self,
         f: impl FnOnce(&mut StateFile) -> Result<R, E>,
     ) -> Result<R, E> {
-        let mut guard = self.state.lock();
-        let mut next = guard.clone();
+        let mut g = self.state.lock();
+        let base = g.pending.as_ref().unwrap_or(&g.committed);
+        let mut next = base.clone();
         let r = f(&mut next)?;
-        if next != *guard {
-            self.write(&next)?;
-            *guard = next;
+        // Wait for our change, or (when nothing changed) for the pending
+        // changes `f` may have read, to be on disk.
+        let mine = if next != *base {
+            g.applied += 1;
+            g.pending = Some(next);
+            g.applied
+        } else {
+            g.applied
+        };
+        loop {
+            if g.durable >= mine {
+                return Ok(r);
+            }
+            if g.failed >= mine {
+                return Err(StateError::Write {
+                    path: self.path.clone(),
+                    source: io::Error::other(g.failure.clone()),
+                }
+                .into());
+            }
+            if g.writing {
+                self.durable_changed.wait(&mut g);
+                continue;
+            }
+            // Become the writer of everything pending. `pending` stays in
+            // place: changes applied while we write build on top of it.
+            let Some(batch) = g.pending.clone() else {
+                // Nothing pending yet not durable: cannot happen, but never
+                // spin on it.
+                return Ok(r);
+            };
+            let upto = g.applied;
+            g.writing = true;
+            let res = MutexGuard::unlocked(&mut g, || self.write(&batch));
+            g.writing = false;
+            match res {
+                Ok(()) => {
+                    g.committed = batch;
+                    g.durable = upto;
+                    if g.applied == upto {
+                        g.pending = None;
+                    }
+                    // Otherwise `pending` holds this batch plus the changes
+                    // applied meanwhile, for the next writer.
+                }
+                Err(e) => {
+                    // Later changes were built on the failed batch: drop
+                    // them too.
+                    g.failed = g.applied;
+                    g.failure = crate::error_chain(&e);
+                    g.pending = None;
+                }
+            }
+            self.durable_changed.notify_all();
         }
-        Ok(r)
     }
 
     fn write(&self, state: &StateFile) -> Result<(), StateError> {
@@ -480,7 +564,7 @@ mod tests {
     use super::*;
 
     #[derive(Debug)]
-    struct TestErr(#[allow(dead_code)] String);
+    struct TestErr(String);
     impl From<StateError> for TestErr {
         fn from(e: StateError) -> Self {
             TestErr(e.to_string())
@@ -579,6 +663,90 @@ mod tests {
         assert!(r.is_err());
         assert!(s.read(|st| st.volumes.is_empty()));
         assert_eq!(std::fs::read(s.path()).expect("read"), before);
+    }
+
+    #[test]
+    fn concurrent_updates_are_all_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = std::sync::Arc::new(StateStore::open_with_boot_id(dir.path(), "b").expect("open"));
+        let threads: Vec<_> = (0..40)
+            .map(|i| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    s.update::<_, TestErr>(|st| {
+                        st.volumes.insert(format!("v{i}"), spec(&format!("v{i}")));
+                        Ok(())
+                    })
+                    .expect("update");
+                    // Once update returns, the change is on disk.
+                    let on_disk = parse_state(s.path(), &std::fs::read(s.path()).expect("read"))
+                        .expect("parse");
+                    assert!(on_disk.volumes.contains_key(&format!("v{i}")));
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        let on_disk =
+            parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
+        assert_eq!(on_disk.volumes.len(), 40);
+        assert_eq!(s.snapshot(), on_disk);
+        let (writes, _) = s.write_stats();
+        assert!((2..=41).contains(&writes), "{writes} writes");
+    }
+
+    #[test]
+    fn disk_full_fails_the_update_and_keeps_the_old_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).expect("path");
+        let (fs, opts) = (c"tmpfs", c"size=64k");
+        // SAFETY: plain mount(2) of a small tmpfs on our own temp dir.
+        let rc = unsafe {
+            libc::mount(
+                fs.as_ptr(),
+                c.as_ptr(),
+                fs.as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        assert_eq!(rc, 0, "mount tmpfs: {}", io::Error::last_os_error());
+        struct Unmount(std::ffi::CString);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                // SAFETY: umount2(2) of the tmpfs mounted above.
+                unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        let _unmount = Unmount(c.clone());
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        s.update::<_, TestErr>(|st| {
+            st.volumes.insert("small".into(), spec("small"));
+            Ok(())
+        })
+        .expect("a small update fits");
+        let before = std::fs::read(s.path()).expect("read");
+        let r: Result<(), TestErr> = s.update(|st| {
+            let mut big = spec("big");
+            big.context.insert("blob".into(), "x".repeat(200 * 1024));
+            st.volumes.insert("big".into(), big);
+            Ok(())
+        });
+        let e = r.expect_err("the disk is full");
+        assert!(e.0.contains("failed to write state file"), "{e:?}");
+        assert_eq!(std::fs::read(s.path()).expect("read"), before);
+        assert!(s.read(|st| !st.volumes.contains_key("big")));
+        assert!(!tmp_path(s.path()).exists(), "the temporary file was left");
+        // The store still works after the failure.
+        s.update::<_, TestErr>(|st| {
+            st.volumes.remove("small");
+            Ok(())
+        })
+        .expect("update after a failure");
+        let on_disk =
+            parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
+        assert!(on_disk.volumes.is_empty());
     }
 
     #[test]
