@@ -200,9 +200,12 @@ fn remove_dev_dir(config: &Config) {
     }
 }
 
-/// A throwaway directory for `--dev`.
+/// The throwaway directory of `--dev`: `$TMPDIR/claimd-dev`. It outlives a
+/// crash (a restarted `--dev` agent picks its allocations up, which is what
+/// the quickstart shows) and is removed by a graceful stop that released
+/// everything. A second `--dev` agent at once is refused by the state lock.
 pub fn dev_dir() -> Result<PathBuf, AgentError> {
-    let base = std::env::temp_dir().join(format!("claimd-dev-{}", std::process::id()));
+    let base = std::env::temp_dir().join("claimd-dev");
     std::fs::create_dir_all(&base).map_err(io_err(format!(
         "failed to create dev directory {}",
         base.display()

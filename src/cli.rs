@@ -63,9 +63,11 @@ OPTIONS:
     --config PATH   JSON config file [default: {cfg}]. A missing file at
                     the default path means all defaults; a missing file
                     given explicitly is an error.
-    --dev           Development mode: a throwaway state directory and mount
-                    root under {tmp}, debug logs, and on stop every volume it
-                    mounted is released (best effort, bounded).
+    --dev           Development mode: state and mount root in
+                    {tmp}/claimd-dev (kept if the agent crashes, so a
+                    restarted --dev agent picks its allocations up), debug
+                    logs, and on a graceful stop every volume it mounted is
+                    released (best effort, bounded) and the directory removed.
 
 CONFIG FIELDS (all optional) AND DEFAULTS:
     state_dir               {state}

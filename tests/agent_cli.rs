@@ -575,9 +575,7 @@ fn dev_world() -> (World, PathBuf) {
     config.csi_call_timeout = "2s".into();
     let tmp = dir.path().to_str().expect("utf-8").to_string();
     let agent = Agent::start_with(dir.path(), "agent", config, true, &[("TMPDIR", &tmp)]);
-    let dev_dir = dir
-        .path()
-        .join(format!("claimd-dev-{}", agent.pid().expect("running")));
+    let dev_dir = dir.path().join("claimd-dev");
     let w = World { agent, plugin, dir };
     w.agent
         .register(&volume_json("db", "ext-db", &["single-node-writer"]));

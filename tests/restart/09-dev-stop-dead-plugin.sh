@@ -18,7 +18,7 @@ mkdir -p "$T/devtmp"
 start_dev_agent() {
 	start_agent --dev TMPDIR="$T/devtmp"
 	wait_agent_ready
-	DEV_DIR=$T/devtmp/claimd-dev-$AGENT_PID
+	DEV_DIR=$T/devtmp/claimd-dev
 	STATE_FILE=$DEV_DIR/state/state.json
 	MOUNT_ROOT=$DEV_DIR/mounts
 	[ -f "$STATE_FILE" ] || fail "the dev agent's state file is not at $STATE_FILE"
