@@ -119,7 +119,11 @@ fn failed(socket: &Path, e: grpcio::Error) -> u8 {
     }
 }
 
-pub fn volume(args: &[String]) -> u8 {
+/// A subcommand: its name and what runs it.
+type Subcommand<'a> = (&'a str, fn(&Common) -> u8);
+
+/// Runs `noun`'s subcommand from `table`, after the shared options.
+fn dispatch(args: &[String], noun: &str, table: &[Subcommand<'_>]) -> u8 {
     if wants_help(args) {
         print!("{}", client_help());
         return EXIT_OK;
@@ -128,15 +132,26 @@ pub fn volume(args: &[String]) -> u8 {
         Ok(c) => c,
         Err(e) => return usage(e),
     };
-    let Some(sub) = c.rest.first().cloned() else {
-        return usage("volume needs register, list or deregister");
+    let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
+    let Some(sub) = c.rest.first() else {
+        return usage(format!("{noun} needs one of: {}", names.join(", ")));
     };
-    match sub.as_str() {
-        "register" => volume_register(&c),
-        "list" => volume_list(&c),
-        "deregister" => volume_deregister(&c),
-        other => usage(format!("unknown volume command {other:?}")),
+    match table.iter().find(|(n, _)| n == sub) {
+        Some((_, run)) => run(&c),
+        None => usage(format!("unknown {noun} command {sub:?}")),
     }
+}
+
+pub fn volume(args: &[String]) -> u8 {
+    dispatch(
+        args,
+        "volume",
+        &[
+            ("register", volume_register),
+            ("list", volume_list),
+            ("deregister", volume_deregister),
+        ],
+    )
 }
 
 fn volume_register(c: &Common) -> u8 {
@@ -331,23 +346,15 @@ pub fn parse_volume_arg(s: &str) -> Result<w::VolumeRequest, String> {
 }
 
 pub fn alloc(args: &[String]) -> u8 {
-    if wants_help(args) {
-        print!("{}", client_help());
-        return EXIT_OK;
-    }
-    let c = match parse_common(args) {
-        Ok(c) => c,
-        Err(e) => return usage(e),
-    };
-    let Some(sub) = c.rest.first().cloned() else {
-        return usage("alloc needs mount, release or status");
-    };
-    match sub.as_str() {
-        "mount" => alloc_mount(&c),
-        "release" => alloc_release(&c),
-        "status" => alloc_status(&c),
-        other => usage(format!("unknown alloc command {other:?}")),
-    }
+    dispatch(
+        args,
+        "alloc",
+        &[
+            ("mount", alloc_mount),
+            ("release", alloc_release),
+            ("status", alloc_status),
+        ],
+    )
 }
 
 fn alloc_mount(c: &Common) -> u8 {
@@ -647,19 +654,12 @@ fn alloc_status(c: &Common) -> u8 {
 }
 
 pub fn plugin(args: &[String]) -> u8 {
-    if wants_help(args) {
-        print!("{}", client_help());
-        return EXIT_OK;
-    }
-    let c = match parse_common(args) {
-        Ok(c) => c,
-        Err(e) => return usage(e),
-    };
-    match c.rest.first().map(String::as_str) {
-        Some("list") if c.rest.len() == 1 => {}
-        Some("list") => return usage(format!("unexpected argument {:?}", c.rest[1])),
-        Some(other) => return usage(format!("unknown plugin command {other:?}")),
-        None => return usage("plugin needs list"),
+    dispatch(args, "plugin", &[("list", plugin_list)])
+}
+
+fn plugin_list(c: &Common) -> u8 {
+    if c.rest.len() > 1 {
+        return usage(format!("unexpected argument {:?}", c.rest[1]));
     }
     let client = match connect(&c.socket) {
         Ok(x) => x,

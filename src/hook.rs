@@ -1692,65 +1692,81 @@ fn path_string(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
+/// What NodeStage, NodePublish and ControllerPublish all carry for a volume.
+struct RequestFields {
+    volume_id: String,
+    capability: protobuf::MessageField<csi::VolumeCapability>,
+    secrets: std::collections::HashMap<String, String>,
+    volume_context: std::collections::HashMap<String, String>,
+    publish_context: std::collections::HashMap<String, String>,
+    staging_target_path: String,
+}
+
+fn request_fields(rec: &AllocVolume, spec: &VolumeSpec) -> RequestFields {
+    RequestFields {
+        volume_id: rec.external_volume_id.clone(),
+        capability: protobuf::MessageField::some(volume_capability(
+            &rec.usage,
+            &spec.mount_options,
+            &rec.mount_flags,
+        )),
+        secrets: spec.secrets.clone().into_iter().collect(),
+        volume_context: spec.context.clone().into_iter().collect(),
+        publish_context: rec.publish_context.clone().into_iter().collect(),
+        staging_target_path: rec
+            .staging_path
+            .as_deref()
+            .map(path_string)
+            .unwrap_or_default(),
+    }
+}
+
 fn controller_publish_request(
     rec: &AllocVolume,
     spec: &VolumeSpec,
     controller: &PluginSnapshot,
 ) -> csi::ControllerPublishVolumeRequest {
-    let mut req = csi::ControllerPublishVolumeRequest::new();
-    req.volume_id = rec.external_volume_id.clone();
-    req.node_id = rec.external_node_id.clone().unwrap_or_default();
-    req.volume_capability = protobuf::MessageField::some(volume_capability(
-        &rec.usage,
-        &spec.mount_options,
-        &rec.mount_flags,
-    ));
-    req.readonly = rec.usage.read_only
-        && controller
-            .controller_capabilities
-            .as_ref()
-            .is_some_and(|c| c.publish_readonly);
-    req.secrets = spec.secrets.clone().into_iter().collect();
-    req.volume_context = spec.context.clone().into_iter().collect();
-    req
+    let f = request_fields(rec, spec);
+    csi::ControllerPublishVolumeRequest {
+        volume_id: f.volume_id,
+        node_id: rec.external_node_id.clone().unwrap_or_default(),
+        volume_capability: f.capability,
+        // Only a controller with PUBLISH_READONLY may be asked for it.
+        readonly: rec.usage.read_only
+            && controller
+                .controller_capabilities
+                .as_ref()
+                .is_some_and(|c| c.publish_readonly),
+        secrets: f.secrets,
+        volume_context: f.volume_context,
+        ..Default::default()
+    }
 }
 
 fn node_stage_request(rec: &AllocVolume, spec: &VolumeSpec) -> csi::NodeStageVolumeRequest {
-    let mut req = csi::NodeStageVolumeRequest::new();
-    req.volume_id = rec.external_volume_id.clone();
-    req.publish_context = rec.publish_context.clone().into_iter().collect();
-    req.staging_target_path = rec
-        .staging_path
-        .as_deref()
-        .map(path_string)
-        .unwrap_or_default();
-    req.volume_capability = protobuf::MessageField::some(volume_capability(
-        &rec.usage,
-        &spec.mount_options,
-        &rec.mount_flags,
-    ));
-    req.secrets = spec.secrets.clone().into_iter().collect();
-    req.volume_context = spec.context.clone().into_iter().collect();
-    req
+    let f = request_fields(rec, spec);
+    csi::NodeStageVolumeRequest {
+        volume_id: f.volume_id,
+        publish_context: f.publish_context,
+        staging_target_path: f.staging_target_path,
+        volume_capability: f.capability,
+        secrets: f.secrets,
+        volume_context: f.volume_context,
+        ..Default::default()
+    }
 }
 
 fn node_publish_request(rec: &AllocVolume, spec: &VolumeSpec) -> csi::NodePublishVolumeRequest {
-    let mut req = csi::NodePublishVolumeRequest::new();
-    req.volume_id = rec.external_volume_id.clone();
-    req.publish_context = rec.publish_context.clone().into_iter().collect();
-    req.staging_target_path = rec
-        .staging_path
-        .as_deref()
-        .map(path_string)
-        .unwrap_or_default();
-    req.target_path = path_string(&rec.target_path);
-    req.volume_capability = protobuf::MessageField::some(volume_capability(
-        &rec.usage,
-        &spec.mount_options,
-        &rec.mount_flags,
-    ));
-    req.readonly = rec.usage.read_only;
-    req.secrets = spec.secrets.clone().into_iter().collect();
-    req.volume_context = spec.context.clone().into_iter().collect();
-    req
+    let f = request_fields(rec, spec);
+    csi::NodePublishVolumeRequest {
+        volume_id: f.volume_id,
+        publish_context: f.publish_context,
+        staging_target_path: f.staging_target_path,
+        target_path: path_string(&rec.target_path),
+        volume_capability: f.capability,
+        readonly: rec.usage.read_only,
+        secrets: f.secrets,
+        volume_context: f.volume_context,
+        ..Default::default()
+    }
 }

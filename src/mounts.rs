@@ -114,6 +114,16 @@ mod tests {
     }
 
     #[test]
+    fn octal_escapes() {
+        let line = |p: &str| format!("1 2 0:1 / {p} rw - x x rw");
+        let mp = |p: &str| parse_mountinfo(&line(p))[0].mount_point.clone();
+        assert_eq!(mp(r"/a\040b"), PathBuf::from("/a b"));
+        assert_eq!(mp(r"/a\134b\011"), PathBuf::from("/a\\b\t"));
+        assert_eq!(mp("/plain"), PathBuf::from("/plain"));
+        assert_eq!(mp(r"/short\04"), PathBuf::from(r"/short\04"));
+    }
+
+    #[test]
     fn root_is_a_mount_point_here() {
         assert!(is_mount_point(Path::new("/")).expect("mountinfo readable"));
     }

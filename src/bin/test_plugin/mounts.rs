@@ -6,62 +6,13 @@ use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// One line of `/proc/self/mountinfo`, the fields the plugin needs.
-#[derive(Clone, Debug)]
-pub struct Mount {
-    pub mount_point: PathBuf,
-    /// Per-mount options (`rw`/`ro`, ...), not the superblock's.
-    pub options: String,
-}
-
-impl Mount {
-    pub fn read_only(&self) -> bool {
-        self.options.split(',').any(|o| o == "ro")
-    }
-}
-
-/// Undoes the octal escapes (`\040` for a space) the kernel writes into
-/// mountinfo paths.
-fn unescape(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 3 < bytes.len() {
-            let digits = &bytes[i + 1..i + 4];
-            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
-                let v = digits
-                    .iter()
-                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
-                if let Ok(b) = u8::try_from(v) {
-                    out.push(b);
-                    i += 4;
-                    continue;
-                }
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
+/// One line of `/proc/self/mountinfo` (parsed by the agent's own code).
+pub use claimd::mounts::MountEntry as Mount;
 
 fn mounts() -> io::Result<Vec<Mount>> {
-    let text = fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split(' ');
-            let mount_point = fields.nth(4)?;
-            let options = fields.next()?;
-            Some(Mount {
-                mount_point: PathBuf::from(unescape(mount_point)),
-                options: options.to_string(),
-            })
-        })
-        .collect())
+    claimd::mounts::mounts()
 }
 
 /// The topmost mount at `path`, if `path` is a mount point.
@@ -130,17 +81,4 @@ pub fn unmount(target: &Path) -> io::Result<()> {
     let t = c_path(target)?;
     // SAFETY: a valid NUL-terminated C string that outlives the call.
     check(unsafe { libc::umount2(t.as_ptr(), 0) })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unescapes_octal() {
-        assert_eq!(unescape(r"/a\040b"), "/a b");
-        assert_eq!(unescape(r"/a\134b\011"), "/a\\b\t");
-        assert_eq!(unescape(r"/plain"), "/plain");
-        assert_eq!(unescape(r"/short\04"), r"/short\04");
-    }
 }
