@@ -134,6 +134,13 @@ dp -i "$deb" >/dev/null
 [ "$(stat -c %a "$t/var/lib/claimd")" = 700 ] || fail "postinst did not create /var/lib/claimd with mode 0700"
 jq -e . "$t/etc/claimd/config.json" >/dev/null || fail "installed config is not JSON"
 say "installed: $("$t/usr/bin/claimd" --version)"
+if command -v systemd-analyze >/dev/null; then
+  # The unit as installed, pointed at the installed binary (the host's
+  # /usr/bin has no claimd).
+  sed "s|/usr/bin/claimd |$t/usr/bin/claimd |" "$t/lib/systemd/system/claimd.service" >"$work/claimd.service"
+  systemd-analyze verify --man=no "$work/claimd.service" || fail "systemd-analyze verify of the unit"
+  say "systemd-analyze verify: the unit is valid"
+fi
 
 # ---- 4. upgrade over a running agent ----------------------------------------
 say "upgrade over a running agent with mounted allocations"

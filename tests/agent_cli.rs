@@ -1026,3 +1026,63 @@ fn mount_progress_does_not_blame_a_ready_plugin() {
         out.stderr
     );
 }
+
+// ---- A client that gives up -----------------------------------------------
+
+/// A mount whose client deadline expires mid-way is not left half-claimed:
+/// the agent finishes it and records it (and a later release frees it all).
+#[test]
+fn expired_client_deadline_leaves_a_complete_mount_not_a_half_claimed_one() {
+    let w = World::new(|_| {});
+    let agent = &w.agent;
+    agent.register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    // NodePublish takes 3 s; the client waits 1 s.
+    w.plugin.faults().set(json!([
+        {"method": "NodePublishVolume", "action": "delay", "ms": 3000}
+    ]));
+    let out = agent.cli(&[
+        "alloc",
+        "mount",
+        "a1",
+        "--volume",
+        "data=db",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr.contains("did not answer in time"),
+        "{}",
+        out.stderr
+    );
+    // The agent goes on and records the completed mount.
+    wait_until(Duration::from_secs(30), "the mount to complete", || {
+        agent.state()["allocs"]["a1"]["volumes"]["data"]["phase"] == "published"
+    });
+    let status = agent.cli(&["alloc", "status", "a1", "--json"]).ok().json();
+    let host = PathBuf::from(
+        status["allocs"][0]["volumes"][0]["host_path"]
+            .as_str()
+            .expect("host path"),
+    );
+    assert!(is_mount_point(&host), "{} is not mounted", host.display());
+    assert_eq!(agent.state()["claims"].as_array().expect("claims").len(), 1);
+    // The same request again answers at once with the same path.
+    w.plugin.faults().clear();
+    let again = agent
+        .cli(&["alloc", "mount", "a1", "--volume", "data=db", "--json"])
+        .ok()
+        .json();
+    assert_eq!(
+        again["volumes"][0]["host_path"],
+        host.to_str().expect("utf-8")
+    );
+    agent.cli(&["alloc", "release", "a1", "--wait", "30s"]).ok();
+    assert!(!is_mount_point(&host));
+    assert_eq!(agent.state()["claims"], json!([]));
+    assert_eq!(
+        volume_methods(&w.plugin.call_log()),
+        strings(&[CP, NS, NP, NUP, NUS, CUP])
+    );
+}
