@@ -150,6 +150,13 @@ pub trait ClaimStore: Send + Sync {
     /// Frees the claim. Freeing a claim that is not held succeeds.
     fn release(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError>;
     fn list(&self) -> Vec<Claim>;
+    /// True for a store kept in claimd's own state file (the embedded
+    /// one): the lifecycle then changes claims with the `*_in_state`
+    /// functions inside the state write of the step they belong to, one
+    /// atomic rewrite instead of two. Other stores are called on their own.
+    fn in_state_file(&self) -> bool {
+        false
+    }
 }
 
 /// The access-mode rules of the CSI spec, checked against the claims other
@@ -209,51 +216,83 @@ fn find<'a>(s: &'a mut StateFile, volume_id: &str, alloc_id: &str) -> Option<&'a
         .find(|c| c.volume_id == volume_id && c.alloc_id == alloc_id)
 }
 
+/// Takes (or confirms) a claim in a state file. The embedded store's claim,
+/// also used by the lifecycle inside its own state write (see
+/// `ClaimStore::in_state_file`).
+pub fn claim_in_state(s: &mut StateFile, req: &ClaimRequest) -> Result<Claim, ClaimError> {
+    if !s.volumes.contains_key(&req.volume_id) {
+        return Err(ClaimError::UnknownVolume {
+            volume_id: req.volume_id.clone(),
+        });
+    }
+    if let Some(c) = s
+        .claims
+        .iter()
+        .find(|c| c.volume_id == req.volume_id && c.alloc_id == req.alloc_id)
+    {
+        if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
+            return Ok(c.clone());
+        }
+        return Err(ClaimError::Impossible {
+            volume_id: req.volume_id.clone(),
+            reason: format!(
+                "allocation {} already holds it with another mode ({} {})",
+                req.alloc_id,
+                c.mode.name(),
+                c.access_mode
+            ),
+        });
+    }
+    let others: Vec<&Claim> = s
+        .claims
+        .iter()
+        .filter(|c| c.volume_id == req.volume_id)
+        .collect();
+    check_claim(req, &others)?;
+    let claim = Claim {
+        volume_id: req.volume_id.clone(),
+        alloc_id: req.alloc_id.clone(),
+        node: req.node.clone(),
+        mode: req.mode,
+        access_mode: req.access_mode,
+        external_node_id: None,
+        publish_context: BTreeMap::new(),
+        state: ClaimState::Taken,
+    };
+    s.claims.push(claim.clone());
+    Ok(claim)
+}
+
+/// Records the attachment (external node ID, publish context) in a claim.
+pub fn record_attachment_in_state(
+    s: &mut StateFile,
+    volume_id: &str,
+    alloc_id: &str,
+    external_node_id: &str,
+    publish_context: &BTreeMap<String, String>,
+) {
+    if let Some(c) = find(s, volume_id, alloc_id) {
+        c.external_node_id = Some(external_node_id.to_string());
+        c.publish_context = publish_context.clone();
+    }
+}
+
+/// Marks a claim as being released.
+pub fn mark_releasing_in_state(s: &mut StateFile, volume_id: &str, alloc_id: &str) {
+    if let Some(c) = find(s, volume_id, alloc_id) {
+        c.state = ClaimState::Releasing;
+    }
+}
+
+/// Frees a claim; freeing one that is not held does nothing.
+pub fn release_in_state(s: &mut StateFile, volume_id: &str, alloc_id: &str) {
+    s.claims
+        .retain(|c| !(c.volume_id == volume_id && c.alloc_id == alloc_id));
+}
+
 impl ClaimStore for EmbeddedClaims {
     fn claim(&self, req: &ClaimRequest) -> Result<Claim, ClaimError> {
-        self.store.update(|s| {
-            if !s.volumes.contains_key(&req.volume_id) {
-                return Err(ClaimError::UnknownVolume {
-                    volume_id: req.volume_id.clone(),
-                });
-            }
-            if let Some(c) = s
-                .claims
-                .iter()
-                .find(|c| c.volume_id == req.volume_id && c.alloc_id == req.alloc_id)
-            {
-                if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
-                    return Ok(c.clone());
-                }
-                return Err(ClaimError::Impossible {
-                    volume_id: req.volume_id.clone(),
-                    reason: format!(
-                        "allocation {} already holds it with another mode ({} {})",
-                        req.alloc_id,
-                        c.mode.name(),
-                        c.access_mode
-                    ),
-                });
-            }
-            let others: Vec<&Claim> = s
-                .claims
-                .iter()
-                .filter(|c| c.volume_id == req.volume_id)
-                .collect();
-            check_claim(req, &others)?;
-            let claim = Claim {
-                volume_id: req.volume_id.clone(),
-                alloc_id: req.alloc_id.clone(),
-                node: req.node.clone(),
-                mode: req.mode,
-                access_mode: req.access_mode,
-                external_node_id: None,
-                publish_context: BTreeMap::new(),
-                state: ClaimState::Taken,
-            };
-            s.claims.push(claim.clone());
-            Ok(claim)
-        })
+        self.store.update(|s| claim_in_state(s, req))
     }
 
     fn record_attachment(
@@ -264,33 +303,31 @@ impl ClaimStore for EmbeddedClaims {
         publish_context: &BTreeMap<String, String>,
     ) -> Result<(), ClaimError> {
         self.store.update(|s| {
-            if let Some(c) = find(s, volume_id, alloc_id) {
-                c.external_node_id = Some(external_node_id.to_string());
-                c.publish_context = publish_context.clone();
-            }
+            record_attachment_in_state(s, volume_id, alloc_id, external_node_id, publish_context);
             Ok(())
         })
     }
 
     fn mark_releasing(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
         self.store.update(|s| {
-            if let Some(c) = find(s, volume_id, alloc_id) {
-                c.state = ClaimState::Releasing;
-            }
+            mark_releasing_in_state(s, volume_id, alloc_id);
             Ok(())
         })
     }
 
     fn release(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
         self.store.update(|s| {
-            s.claims
-                .retain(|c| !(c.volume_id == volume_id && c.alloc_id == alloc_id));
+            release_in_state(s, volume_id, alloc_id);
             Ok(())
         })
     }
 
     fn list(&self) -> Vec<Claim> {
         self.store.read(|s| s.claims.clone())
+    }
+
+    fn in_state_file(&self) -> bool {
+        true
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::claims::{ClaimError, ClaimMode, ClaimRequest, ClaimStore};
+use crate::claims::{self, ClaimError, ClaimMode, ClaimRequest, ClaimStore};
 use crate::csi::{self, CsiError};
 use crate::failpoints;
 use crate::mounts::MountTable;
@@ -596,8 +596,9 @@ impl Manager {
         let controller = self.controller_for(alloc_id, &rec.plugin_id, alias)?;
         // 2. The claim, retrying while another allocation holds it.
         if rec.phase == Phase::Claiming {
-            self.take_claim(alloc_id, &rec)?;
-            self.enter_first_phase(alloc_id, alias, &node, controller.as_ref())?;
+            let plan = Plan::new(&node, controller.is_some());
+            self.take_claim(alloc_id, &rec, &plan)?;
+            self.enter_first_phase(alloc_id, alias, &plan)?;
         }
         // 3. Controller publish, stage, publish.
         let mut backoff = Backoff::new(self.inner.opts.csi_backoff, deadline);
@@ -671,7 +672,7 @@ impl Manager {
         Ok(publishes.then_some(c))
     }
 
-    fn take_claim(&self, alloc_id: &str, rec: &AllocVolume) -> Result<(), MountError> {
+    fn take_claim(&self, alloc_id: &str, rec: &AllocVolume, plan: &Plan) -> Result<(), MountError> {
         let req = ClaimRequest {
             volume_id: rec.volume_id.clone(),
             alloc_id: alloc_id.to_string(),
@@ -693,21 +694,42 @@ impl Manager {
             let attempt = {
                 let lock = self.inner.locks.get(&rec.volume_id);
                 let _g = lock.lock();
-                let wanted = self.inner.store.read(|s| {
+                let wanted = |s: &StateFile| {
                     s.allocs.get(alloc_id).is_some_and(|a| {
                         !a.releasing
                             && a.volumes
                                 .get(&rec.alias)
                                 .is_some_and(|v| v.phase == Phase::Claiming)
                     })
-                });
-                if !wanted {
-                    return Err(MountError::Busy {
-                        alloc_id: alloc_id.to_string(),
-                        why: "is being released".to_string(),
+                };
+                let released = || MountError::Busy {
+                    alloc_id: alloc_id.to_string(),
+                    why: "is being released".to_string(),
+                };
+                if self.inner.claims.in_state_file() {
+                    // The claim and the first in-flight phase in one write.
+                    let paths = &self.inner.paths;
+                    let r = self.inner.store.update(|s| {
+                        if !wanted(s) {
+                            return Ok(false);
+                        }
+                        claims::claim_in_state(s, &req)?;
+                        if let Some(v) = s.volume_mut(alloc_id, &rec.alias) {
+                            plan.enter(v, paths);
+                        }
+                        Ok(true)
                     });
+                    match r {
+                        Ok(false) => return Err(released()),
+                        Ok(true) => Ok(()),
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    if !self.inner.store.read(wanted) {
+                        return Err(released());
+                    }
+                    self.inner.claims.claim(&req).map(drop)
                 }
-                self.inner.claims.claim(&req)
             };
             match attempt {
                 Ok(_) => {
@@ -740,20 +762,14 @@ impl Manager {
         }
     }
 
-    /// After the claim: decide which calls this volume needs and record the
-    /// first in-flight phase.
+    /// After the claim: record the first in-flight phase (already done, in
+    /// the claim's own write, with a claim store kept in the state file).
     fn enter_first_phase(
         &self,
         alloc_id: &str,
         alias: &str,
-        node: &PluginSnapshot,
-        controller: Option<&PluginSnapshot>,
+        plan: &Plan,
     ) -> Result<(), MountError> {
-        let stage = node
-            .node_capabilities
-            .as_ref()
-            .is_some_and(|c| c.stage_unstage_volume);
-        let node_id = node.node_id().unwrap_or_default().to_string();
         let paths = self.inner.paths.clone();
         let lock = self.inner.locks.get(&self.volume_of(alloc_id, alias));
         let _g = lock.lock();
@@ -764,20 +780,7 @@ impl Manager {
                     alloc_id: alloc_id.to_string(),
                     why: format!("no longer records volume {alias}"),
                 })?;
-            if v.phase != Phase::Claiming {
-                return Ok(());
-            }
-            v.staging_path = stage.then(|| paths.staging(&v.plugin_id, &v.volume_id, &v.usage));
-            if controller.is_some() {
-                v.external_node_id = Some(node_id.clone());
-                v.holds_attachment = true;
-                v.phase = Phase::ControllerPublishing;
-            } else if stage {
-                v.holds_staging = true;
-                v.phase = Phase::Staging;
-            } else {
-                v.phase = Phase::Publishing;
-            }
+            plan.enter(v, &paths);
             Ok(())
         })?;
         failpoints::hit("mount-after-first-phase");
@@ -858,15 +861,13 @@ impl Manager {
                     }
                 };
                 let node_id = rec.external_node_id.clone().unwrap_or_default();
-                if let Err(e) =
-                    self.inner
-                        .claims
-                        .record_attachment(&rec.volume_id, alloc_id, &node_id, &ctx)
-                {
-                    return Step::Retry(crate::error_chain(&e), None);
-                }
                 let stage = rec.staging_path.is_some();
-                self.advance(alloc_id, alias, |v| {
+                let attach = ClaimChange::Attach {
+                    volume_id: &rec.volume_id,
+                    node_id: &node_id,
+                    publish_context: &ctx.clone(),
+                };
+                self.advance_claim(alloc_id, alias, attach, |v| {
                     v.publish_context = ctx;
                     if stage {
                         v.holds_staging = true;
@@ -1110,19 +1111,19 @@ impl Manager {
         match rec.phase {
             Phase::Claiming => {
                 // No CSI call was sent; the claim may or may not be held.
-                self.advance(alloc_id, alias, |v| v.phase = Phase::ReleasingClaim)
+                self.advance_down(alloc_id, alias, |v| v.phase = Phase::ReleasingClaim)
             }
             Phase::ControllerPublishing | Phase::Staging => {
                 // NodePublish was never sent: nothing to unpublish.
-                self.advance(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
+                self.advance_down(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
             }
             Phase::Publishing | Phase::Published | Phase::Unpublishing => {
                 if rec.phase != Phase::Unpublishing {
-                    if let Err(e) = self.inner.claims.mark_releasing(&rec.volume_id, alloc_id) {
-                        return Step::Retry(crate::error_chain(&e), None);
-                    }
+                    let mark = ClaimChange::MarkReleasing {
+                        volume_id: &rec.volume_id,
+                    };
                     if let Step::Retry(m, e) =
-                        self.advance(alloc_id, alias, |v| v.phase = Phase::Unpublishing)
+                        self.advance_claim(alloc_id, alias, mark, |v| v.phase = Phase::Unpublishing)
                     {
                         return Step::Retry(m, e);
                     }
@@ -1155,7 +1156,7 @@ impl Manager {
                 // parents it created, when empty.
                 let _ = std::fs::remove_dir(&rec.target_path);
                 self.inner.paths.remove_empty_parents(&rec.target_path);
-                self.advance(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
+                self.advance_down(alloc_id, alias, |v| v.phase = next_down_after_unpublish(v))
             }
             Phase::Unstaging => {
                 let staging = rec.staging_path.clone().unwrap_or_default();
@@ -1188,7 +1189,7 @@ impl Manager {
                     let _ = std::fs::remove_dir(&staging);
                     self.inner.paths.remove_empty_parents(&staging);
                 }
-                self.advance(alloc_id, alias, |v| {
+                self.advance_down(alloc_id, alias, |v| {
                     v.holds_staging = false;
                     v.phase = next_down_after_unstage(v);
                 })
@@ -1222,33 +1223,136 @@ impl Manager {
                     }
                     failpoints::hit("after-controller-unpublish");
                 }
-                self.advance(alloc_id, alias, |v| {
+                self.advance_down(alloc_id, alias, |v| {
                     v.holds_attachment = false;
                     v.phase = Phase::ReleasingClaim;
                 })
             }
-            Phase::ReleasingClaim => {
-                if let Err(e) = self.inner.claims.release(&rec.volume_id, alloc_id) {
-                    return Step::Retry(crate::error_chain(&e), None);
+            Phase::ReleasingClaim => self.finish_release(alloc_id, alias, &rec.volume_id),
+        }
+    }
+
+    /// The last step down: free the claim, then drop the record (one write
+    /// when the claim store lives in the state file).
+    fn finish_release(&self, alloc_id: &str, alias: &str, volume_id: &str) -> Step {
+        if self.inner.claims.in_state_file() {
+            let r = self.inner.store.update(|s| -> Result<(), StateError> {
+                claims::release_in_state(s, volume_id, alloc_id);
+                drop_record(s, alloc_id, alias);
+                Ok(())
+            });
+            return match r {
+                Ok(()) => {
+                    released_failpoints(true);
+                    Step::Done
                 }
-                failpoints::hit("release-after-claim-freed");
-                let r = self.inner.store.update(|s| -> Result<(), StateError> {
-                    if let Some(a) = s.allocs.get_mut(alloc_id) {
-                        a.volumes.remove(alias);
-                        if a.volumes.is_empty() {
-                            s.allocs.remove(alloc_id);
-                        }
-                    }
-                    Ok(())
-                });
-                match r {
-                    Ok(()) => {
-                        failpoints::hit("release-after-record-dropped");
-                        Step::Done
-                    }
-                    Err(e) => Step::Retry(crate::error_chain(&e), None),
+                Err(e) => Step::Retry(crate::error_chain(&e), None),
+            };
+        }
+        if let Err(e) = self.inner.claims.release(volume_id, alloc_id) {
+            return Step::Retry(crate::error_chain(&e), None);
+        }
+        released_failpoints(false);
+        let r = self.inner.store.update(|s| -> Result<(), StateError> {
+            drop_record(s, alloc_id, alias);
+            Ok(())
+        });
+        match r {
+            Ok(()) => {
+                release_record_dropped();
+                Step::Done
+            }
+            Err(e) => Step::Retry(crate::error_chain(&e), None),
+        }
+    }
+
+    /// Records the next phase down. With the claim store in the state file,
+    /// a record that reaches `releasing-claim` is finished (claim freed,
+    /// record dropped) in the same write.
+    fn advance_down(&self, alloc_id: &str, alias: &str, f: impl FnOnce(&mut AllocVolume)) -> Step {
+        if !self.inner.claims.in_state_file() {
+            return self.advance(alloc_id, alias, f);
+        }
+        let r = self.inner.store.update(|s| -> Result<bool, StateError> {
+            let Some(v) = s.volume_mut(alloc_id, alias) else {
+                return Ok(false);
+            };
+            f(v);
+            if v.phase != Phase::ReleasingClaim {
+                return Ok(false);
+            }
+            let volume_id = v.volume_id.clone();
+            claims::release_in_state(s, &volume_id, alloc_id);
+            drop_record(s, alloc_id, alias);
+            Ok(true)
+        });
+        match r {
+            Ok(true) => {
+                released_failpoints(true);
+                Step::Done
+            }
+            Ok(false) => Step::Next,
+            Err(e) => Step::Retry(crate::error_chain(&e), None),
+        }
+    }
+
+    /// Records the next phase with a claim change: in the same write when
+    /// the claim store lives in the state file, else through the store
+    /// first (the claim change is idempotent, so a crash between the two
+    /// only repeats it).
+    fn advance_claim(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        change: ClaimChange<'_>,
+        f: impl FnOnce(&mut AllocVolume),
+    ) -> Step {
+        if !self.inner.claims.in_state_file() {
+            let r = match change {
+                ClaimChange::Attach {
+                    volume_id,
+                    node_id,
+                    publish_context,
+                } => self.inner.claims.record_attachment(
+                    volume_id,
+                    alloc_id,
+                    node_id,
+                    publish_context,
+                ),
+                ClaimChange::MarkReleasing { volume_id } => {
+                    self.inner.claims.mark_releasing(volume_id, alloc_id)
+                }
+            };
+            if let Err(e) = r {
+                return Step::Retry(crate::error_chain(&e), None);
+            }
+            return self.advance(alloc_id, alias, f);
+        }
+        let r = self.inner.store.update(|s| -> Result<(), StateError> {
+            match change {
+                ClaimChange::Attach {
+                    volume_id,
+                    node_id,
+                    publish_context,
+                } => claims::record_attachment_in_state(
+                    s,
+                    volume_id,
+                    alloc_id,
+                    node_id,
+                    publish_context,
+                ),
+                ClaimChange::MarkReleasing { volume_id } => {
+                    claims::mark_releasing_in_state(s, volume_id, alloc_id)
                 }
             }
+            if let Some(v) = s.volume_mut(alloc_id, alias) {
+                f(v);
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => Step::Next,
+            Err(e) => Step::Retry(crate::error_chain(&e), None),
         }
     }
 
@@ -1634,6 +1738,83 @@ impl std::error::Error for VolumeRegistryError {
 impl From<StateError> for VolumeRegistryError {
     fn from(e: StateError) -> Self {
         VolumeRegistryError::State(e)
+    }
+}
+
+/// A claim change that belongs to a lifecycle step.
+enum ClaimChange<'a> {
+    Attach {
+        volume_id: &'a str,
+        node_id: &'a str,
+        publish_context: &'a BTreeMap<String, String>,
+    },
+    MarkReleasing {
+        volume_id: &'a str,
+    },
+}
+
+/// Drops one volume record, and the allocation with its last one.
+fn drop_record(s: &mut StateFile, alloc_id: &str, alias: &str) {
+    if let Some(a) = s.allocs.get_mut(alloc_id) {
+        a.volumes.remove(alias);
+        if a.volumes.is_empty() {
+            s.allocs.remove(alloc_id);
+        }
+    }
+}
+
+/// The failpoints at the end of a release: the claim is freed (and, when
+/// `dropped`, the record is gone in the same write).
+fn released_failpoints(dropped: bool) {
+    failpoints::hit("release-after-claim-freed");
+    if dropped {
+        release_record_dropped();
+    }
+}
+
+fn release_record_dropped() {
+    failpoints::hit("release-after-record-dropped");
+}
+
+/// Which calls a volume needs, decided once its plugins are known.
+struct Plan {
+    stage: bool,
+    controller: bool,
+    /// The node plugin's node ID: the external node ID of the attachment.
+    node_id: String,
+}
+
+impl Plan {
+    fn new(node: &PluginSnapshot, controller: bool) -> Plan {
+        Plan {
+            stage: node
+                .node_capabilities
+                .as_ref()
+                .is_some_and(|c| c.stage_unstage_volume),
+            controller,
+            node_id: node.node_id().unwrap_or_default().to_string(),
+        }
+    }
+
+    /// Moves a record from `claiming` to its first in-flight phase, setting
+    /// the holds-flags before the call they stand for is sent.
+    fn enter(&self, v: &mut AllocVolume, paths: &Paths) {
+        if v.phase != Phase::Claiming {
+            return;
+        }
+        v.staging_path = self
+            .stage
+            .then(|| paths.staging(&v.plugin_id, &v.volume_id, &v.usage));
+        if self.controller {
+            v.external_node_id = Some(self.node_id.clone());
+            v.holds_attachment = true;
+            v.phase = Phase::ControllerPublishing;
+        } else if self.stage {
+            v.holds_staging = true;
+            v.phase = Phase::Staging;
+        } else {
+            v.phase = Phase::Publishing;
+        }
     }
 }
 
