@@ -1086,3 +1086,69 @@ fn expired_client_deadline_leaves_a_complete_mount_not_a_half_claimed_one() {
         strings(&[CP, NS, NP, NUP, NUS, CUP])
     );
 }
+
+// ---- A bad config ---------------------------------------------------------
+
+/// An invalid config stops the agent at once with a message naming the
+/// file and the field, exit code 2, and nothing created.
+#[test]
+fn invalid_config_stops_the_agent_naming_the_field() {
+    let dir = TestDir::new();
+    let state = dir.path().join("state");
+    let cases = [
+        (
+            json!({"state_dir": state, "surprise": 1}),
+            "unknown field `surprise`",
+        ),
+        (
+            json!({"state_dir": state, "plugins": [{"id": "p", "type": "node"}]}),
+            "missing field `socket`",
+        ),
+        (
+            json!({"state_dir": state, "plugins": [{"id": "p", "type": "node", "socket": "rel.sock"}]}),
+            "field plugins[0].socket: rel.sock is not an absolute path",
+        ),
+        (
+            json!({"state_dir": state, "plugins": [
+                {"id": "p", "type": "node", "socket": "/a.sock"},
+                {"id": "p", "type": "monolith", "socket": "/b.sock"}]}),
+            "field plugins[1].id: duplicate plugin ID",
+        ),
+        (
+            json!({"state_dir": state, "probe_interval": "soon"}),
+            "field probe_interval",
+        ),
+    ];
+    let config = dir.path().join("config.json");
+    for (text, needle) in cases {
+        fs::write(&config, text.to_string()).expect("write config");
+        let out = run_claimd(
+            &["agent", "--config", config.to_str().expect("utf-8")],
+            None,
+            &[],
+            Duration::from_secs(30),
+        );
+        assert_eq!(out.code, 2, "{text}: {out:?}");
+        assert!(out.stderr.contains(needle), "{text}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(config.to_str().expect("utf-8")),
+            "{}",
+            out.stderr
+        );
+        assert!(!state.exists(), "the state dir was created for {text}");
+    }
+    // A config file given explicitly that does not exist is an error too.
+    let missing = dir.path().join("nope.json");
+    let out = run_claimd(
+        &["agent", "--config", missing.to_str().expect("utf-8")],
+        None,
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(
+        out.stderr.contains("failed to read config file"),
+        "{}",
+        out.stderr
+    );
+}
