@@ -1152,3 +1152,53 @@ fn invalid_config_stops_the_agent_naming_the_field() {
         out.stderr
     );
 }
+
+// ---- Block volumes ----------------------------------------------------------
+
+/// A block-device volume is published as a file (the plugin creates it) and
+/// released like any other.
+#[test]
+fn block_volume_cycle() {
+    let w = World::new(|_| {});
+    let agent = &w.agent;
+    let mut vol = volume_json("raw", "ext-raw", &["single-node-writer"]);
+    vol["attachment_modes"] = json!(["block-device"]);
+    agent.register(&vol);
+    w.wait_plugin_ready();
+    let out = agent
+        .cli(&[
+            "alloc",
+            "mount",
+            "b1",
+            "--volume",
+            "disk=raw,attachment=block-device",
+            "--json",
+        ])
+        .ok()
+        .json();
+    assert_eq!(out["volumes"][0]["block"], true, "{out}");
+    let host = PathBuf::from(out["volumes"][0]["host_path"].as_str().expect("path"));
+    assert!(
+        host.ends_with("per-alloc/b1/raw/rw-block-device-single-node-writer"),
+        "{}",
+        host.display()
+    );
+    assert!(is_mount_point(&host), "{} is not mounted", host.display());
+    assert!(
+        fs::metadata(&host).expect("stat").is_file(),
+        "a block target is a file"
+    );
+    let status = agent.cli(&["alloc", "status", "b1", "--json"]).ok().json();
+    assert_eq!(
+        status["allocs"][0]["volumes"][0]["attachment_mode"],
+        "block-device"
+    );
+    agent.cli(&["alloc", "release", "b1", "--wait", "30s"]).ok();
+    assert!(!is_mount_point(&host));
+    assert!(!host.exists(), "the block target was left behind");
+    assert_eq!(agent.state()["claims"], json!([]));
+    assert_eq!(
+        volume_methods(&w.plugin.call_log()),
+        strings(&[CP, NS, NP, NUP, NUS, CUP])
+    );
+}
