@@ -30,4 +30,8 @@ cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --all-targets --features failpoints -- -D warnings
 # The restart scripts (tests/restart/*.sh, run by tests/restart.rs) kill the
 # agent at named failpoints, which only a `failpoints` build has.
-cargo test --locked --features failpoints
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --locked --features failpoints 2>&1 | tee "$log"
+# One closing line for the whole suite (cargo prints one per test binary).
+awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"
