@@ -20,6 +20,8 @@ fail() {
 }
 
 need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v g++ >/dev/null || need+=(g++)
 command -v lintian >/dev/null || need+=(lintian)
 command -v jq >/dev/null || need+=(jq)
 command -v file >/dev/null || need+=(file)
