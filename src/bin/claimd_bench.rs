@@ -651,12 +651,35 @@ fn main() {
             },
         );
         let others = t.elapsed();
+        // The same fan-out made by a bare client: the plugin's own limit
+        // (it serialises mount syscalls and fsyncs its controller state).
+        let bare = Bare {
+            client: CsiClient::new(env.clone(), &setup.plugin_socket, CALL),
+            node_id: CsiClient::new(env.clone(), &setup.plugin_socket, CALL)
+                .node_get_info()
+                .expect("node info")
+                .node_id,
+            root: s.dir.join("bare"),
+        };
+        let ids: Vec<String> = (1..args.fanout).map(|i| format!("bf{i}")).collect();
+        run_parallel(ids.len(), 16, |i| bare.mount(&ids[i]));
+        let (_, bare_others) = run_parallel(ids.len(), ids.len(), |i| bare.release(&ids[i]));
         results.insert(
             "release_fanout".into(),
             json!({"volumes": args.fanout, "seconds_others_released": others.as_secs_f64(),
                    "seconds_one_volume_alone": one.as_secs_f64(),
-                   "ratio": others.as_secs_f64() / one.as_secs_f64()}),
+                   "ratio": others.as_secs_f64() / one.as_secs_f64(),
+                   "bare_seconds_others_released": bare_others.as_secs_f64(),
+                   "ratio_to_bare": others.as_secs_f64() / bare_others.as_secs_f64()}),
         );
+        table.push((
+            format!("the same {} releases by a bare client, all at once", args.fanout - 1),
+            format!(
+                "{:.3} s: agent / bare = {:.2}x",
+                bare_others.as_secs_f64(),
+                others.as_secs_f64() / bare_others.as_secs_f64()
+            ),
+        ));
         table.push((
             format!(
                 "release of {} volumes with one hung: the others",
