@@ -41,7 +41,7 @@ OPTIONS:
 EXIT CODES:
     {EXIT_OK}  success
     {EXIT_FAILED}  the command failed (the message says why)
-    {EXIT_USAGE}  usage error (bad arguments or config)
+    {EXIT_USAGE}  usage error (bad arguments, invalid input, or a bad config)
     {EXIT_UNREACHABLE}  the agent is not reachable
 
 Run `claimd agent --help` for the agent's options and defaults.

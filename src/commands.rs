@@ -34,7 +34,11 @@ pub fn client_help() -> &'static str {
     claimd alloc release ALLOC [--wait DURATION]
     claimd alloc status [ALLOC]
     claimd plugin list
-Client options (anywhere after the command):
+Access modes: single-node-writer, single-node-reader-only,
+    multi-node-reader-only, multi-node-single-writer, multi-node-multi-writer,
+    single-node-single-writer, single-node-multi-writer. Durations: 500ms,
+    30s, 5m, 2h, 1d.
+Client options (before or after the command):
     --socket PATH   API socket [default: $CLAIMD_SOCKET or /run/claimd/claimd.sock]
     --json          JSON output for scripts
 "
