@@ -673,7 +673,10 @@ fn main() {
                    "ratio_to_bare": others.as_secs_f64() / bare_others.as_secs_f64()}),
         );
         table.push((
-            format!("the same {} releases by a bare client, all at once", args.fanout - 1),
+            format!(
+                "the same {} releases by a bare client, all at once",
+                args.fanout - 1
+            ),
             format!(
                 "{:.3} s: agent / bare = {:.2}x",
                 bare_others.as_secs_f64(),
