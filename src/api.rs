@@ -472,10 +472,12 @@ impl grpc::Claimd for Service {
     ) {
         self.run(&ctx, "stats", sink, |s| {
             let store = s.manager.store();
-            let (writes, bytes) = store.write_stats();
+            let ws = store.write_stats();
             let mut r = w::GetStatsResponse::new();
-            r.state_writes = writes;
-            r.state_bytes_written = bytes;
+            r.state_writes = ws.writes;
+            r.state_bytes_written = ws.bytes;
+            r.state_fsyncs = ws.fsyncs;
+            r.state_snapshots = ws.snapshots;
             store.read(|st| {
                 r.allocs = st.allocs.len() as u64;
                 r.volumes = st.volumes.len() as u64;

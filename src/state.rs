@@ -270,6 +270,19 @@ pub fn current_boot_id() -> Result<String, StateError> {
         .map_err(|source| StateError::BootId { source })
 }
 
+/// Durable writes since the store was opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Durable writes: journal appends plus snapshot rewrites.
+    pub writes: u64,
+    /// Bytes written to the journal and to snapshots.
+    pub bytes: u64,
+    /// fsync and fdatasync calls.
+    pub fsyncs: u64,
+    /// Snapshot rewrites.
+    pub snapshots: u64,
+}
+
 /// Group commit: changes of concurrent `update`s pile up in `pending` while
 /// one of them writes; the next writer makes the whole pile durable in one
 /// atomic rewrite. Sequence numbers tell each updater when its change is on
@@ -408,12 +421,17 @@ impl StateStore {
         &self.boot_id
     }
 
-    /// (atomic rewrites, bytes written) since open.
-    pub fn write_stats(&self) -> (u64, u64) {
-        (
-            self.writes.load(Ordering::Relaxed),
-            self.bytes_written.load(Ordering::Relaxed),
-        )
+    /// What the store has written since open.
+    pub fn write_stats(&self) -> WriteStats {
+        let writes = self.writes.load(Ordering::Relaxed);
+        WriteStats {
+            writes,
+            bytes: self.bytes_written.load(Ordering::Relaxed),
+            // Each atomic rewrite: fdatasync of the file, fsync of the
+            // directory.
+            fsyncs: writes * 2,
+            snapshots: writes,
+        }
     }
 
     /// Reads the durable state.
@@ -591,10 +609,10 @@ mod tests {
                 Ok(())
             })
             .expect("update");
-            assert_eq!(s.write_stats().0, 2); // creation + update
-                                              // A no-op update writes nothing.
+            assert_eq!(s.write_stats().writes, 2); // creation + update
+                                                   // A no-op update writes nothing.
             s.update::<_, TestErr>(|_| Ok(())).expect("noop");
-            assert_eq!(s.write_stats().0, 2);
+            assert_eq!(s.write_stats().writes, 2);
         }
         let mode = std::fs::metadata(dir.path().join(STATE_FILE))
             .expect("stat")
@@ -693,7 +711,7 @@ mod tests {
             parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
         assert_eq!(on_disk.volumes.len(), 40);
         assert_eq!(s.snapshot(), on_disk);
-        let (writes, _) = s.write_stats();
+        let writes = s.write_stats().writes;
         assert!((2..=41).contains(&writes), "{writes} writes");
     }
 
