@@ -173,7 +173,8 @@ for i in 1 2 3; do
   cli alloc mount "a$i" --volume "data=v$i" >/dev/null
 done
 mounts_before=$(awk -v d="$t/var/lib/claimd/mounts/" 'index($5, d) == 1 {print $1, $5}' /proc/self/mountinfo | sort)
-claims_before=$(jq -c '.claims' "$t/var/lib/claimd/state.json")
+# The running agent's claims: the snapshot with the journal replayed.
+claims_before=$("$t/usr/bin/claimd" state --state-dir "$t/var/lib/claimd" | jq -c '.claims')
 calls_before=$(wc -l <"$p/calls.jsonl")
 [ "$(printf '%s\n' "$mounts_before" | wc -l)" = 6 ] || fail "expected 6 mounts (3 staging + 3 targets): $mounts_before"
 
@@ -189,7 +190,8 @@ published=$(cli alloc status --json | jq '[.allocs[].volumes[] | select(.phase =
 [ "$published" = 3 ] || fail "after the upgrade $published of 3 volumes are published"
 mounts_after=$(awk -v d="$t/var/lib/claimd/mounts/" 'index($5, d) == 1 {print $1, $5}' /proc/self/mountinfo | sort)
 [ "$mounts_after" = "$mounts_before" ] || fail "mounts changed across the upgrade: $mounts_after"
-[ "$(jq -c '.claims' "$t/var/lib/claimd/state.json")" = "$claims_before" ] || fail "claims changed across the upgrade"
+[ "$("$t/usr/bin/claimd" state --state-dir "$t/var/lib/claimd" | jq -c '.claims')" = "$claims_before" ] || fail "claims changed across the upgrade"
+[ "$(echo "$claims_before" | jq length)" = 3 ] || fail "expected 3 claims: $claims_before"
 new_calls=$(tail -n +"$((calls_before + 1))" "$p/calls.jsonl" | jq -r 'select(.method | test("Volume$")) | .method' | wc -l)
 [ "$new_calls" = 0 ] || fail "the restart after the upgrade sent $new_calls volume calls"
 say "upgrade $version -> $newer: 6 mounts with the same mount IDs, claims unchanged, 0 CSI volume calls"
@@ -204,8 +206,10 @@ dp -r claimd >/dev/null
 [ ! -e "$t/usr/bin/claimd" ] || fail "remove left the binary"
 [ -f "$cfg" ] || fail "remove deleted the conffile"
 [ -f "$t/var/lib/claimd/state.json" ] || fail "remove deleted the state"
+[ -f "$t/var/lib/claimd/state.journal" ] || fail "remove deleted the state journal"
 dp --purge claimd >/dev/null
 [ ! -e "$cfg" ] || fail "purge left the conffile"
 [ ! -e "$t/var/lib/claimd/state.json" ] || fail "purge left the state file"
+[ ! -e "$t/var/lib/claimd/state.journal" ] || fail "purge left the state journal"
 say "remove keeps config and state; purge removes them"
 say "check-package: all checks passed"

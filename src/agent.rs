@@ -171,6 +171,11 @@ impl Agent {
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));
         }
+        // Leave one complete state.json behind (the next start would fold
+        // the journal in anyway).
+        if let Err(e) = self.manager.store().compact() {
+            log::warn!("{}", crate::error_chain(&e));
+        }
         if self.dev {
             remove_dev_dir(&self.config);
         }

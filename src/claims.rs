@@ -210,26 +210,13 @@ impl EmbeddedClaims {
     }
 }
 
-fn find<'a>(s: &'a mut StateFile, volume_id: &str, alloc_id: &str) -> Option<&'a mut Claim> {
-    s.claims
-        .iter_mut()
-        .find(|c| c.volume_id == volume_id && c.alloc_id == alloc_id)
-}
-
-/// Takes (or confirms) a claim in a state file. The embedded store's claim,
-/// also used by the lifecycle inside its own state write (see
-/// `ClaimStore::in_state_file`).
 pub fn claim_in_state(s: &mut StateFile, req: &ClaimRequest) -> Result<Claim, ClaimError> {
     if !s.volumes.contains_key(&req.volume_id) {
         return Err(ClaimError::UnknownVolume {
             volume_id: req.volume_id.clone(),
         });
     }
-    if let Some(c) = s
-        .claims
-        .iter()
-        .find(|c| c.volume_id == req.volume_id && c.alloc_id == req.alloc_id)
-    {
+    if let Some(c) = s.claim(&req.volume_id, &req.alloc_id) {
         if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
             return Ok(c.clone());
         }
@@ -243,11 +230,7 @@ pub fn claim_in_state(s: &mut StateFile, req: &ClaimRequest) -> Result<Claim, Cl
             ),
         });
     }
-    let others: Vec<&Claim> = s
-        .claims
-        .iter()
-        .filter(|c| c.volume_id == req.volume_id)
-        .collect();
+    let others: Vec<&Claim> = s.claims_on(&req.volume_id).collect();
     check_claim(req, &others)?;
     let claim = Claim {
         volume_id: req.volume_id.clone(),
@@ -259,11 +242,13 @@ pub fn claim_in_state(s: &mut StateFile, req: &ClaimRequest) -> Result<Claim, Cl
         publish_context: BTreeMap::new(),
         state: ClaimState::Taken,
     };
-    s.claims.push(claim.clone());
+    s.claims.insert(
+        (req.volume_id.clone(), req.alloc_id.clone()),
+        Arc::new(claim.clone()),
+    );
     Ok(claim)
 }
 
-/// Records the attachment (external node ID, publish context) in a claim.
 pub fn record_attachment_in_state(
     s: &mut StateFile,
     volume_id: &str,
@@ -271,23 +256,21 @@ pub fn record_attachment_in_state(
     external_node_id: &str,
     publish_context: &BTreeMap<String, String>,
 ) {
-    if let Some(c) = find(s, volume_id, alloc_id) {
+    if let Some(c) = s.claim_mut(volume_id, alloc_id) {
         c.external_node_id = Some(external_node_id.to_string());
         c.publish_context = publish_context.clone();
     }
 }
 
-/// Marks a claim as being released.
 pub fn mark_releasing_in_state(s: &mut StateFile, volume_id: &str, alloc_id: &str) {
-    if let Some(c) = find(s, volume_id, alloc_id) {
+    if let Some(c) = s.claim_mut(volume_id, alloc_id) {
         c.state = ClaimState::Releasing;
     }
 }
 
-/// Frees a claim; freeing one that is not held does nothing.
 pub fn release_in_state(s: &mut StateFile, volume_id: &str, alloc_id: &str) {
     s.claims
-        .retain(|c| !(c.volume_id == volume_id && c.alloc_id == alloc_id));
+        .remove(&(volume_id.to_string(), alloc_id.to_string()));
 }
 
 impl ClaimStore for EmbeddedClaims {
@@ -323,7 +306,8 @@ impl ClaimStore for EmbeddedClaims {
     }
 
     fn list(&self) -> Vec<Claim> {
-        self.store.read(|s| s.claims.clone())
+        self.store
+            .read(|s| s.claims.values().map(|c| (**c).clone()).collect())
     }
 
     fn in_state_file(&self) -> bool {

@@ -28,10 +28,15 @@ allocations on this node, and survives its own restarts.
 USAGE:
     claimd agent [--config PATH] [--dev]
     claimd volume|alloc|plugin ...
+    claimd state [--config PATH | --state-dir DIR | --dev]
     claimd --help | --version
 
 COMMANDS:
     agent       Run the agent (under systemd, or by hand).
+    state       Print the recorded state (snapshot plus journal) as JSON,
+                secrets redacted. Reads the state directory directly, so it
+                works with the agent running or stopped, and changes
+                nothing.
 
 {client}
 OPTIONS:
@@ -182,6 +187,7 @@ pub fn run(args: Vec<String>) -> u8 {
             EXIT_OK
         }
         "agent" => run_agent(&rest),
+        "state" => run_state(&rest),
         "volume" => crate::commands::volume(&rest),
         "alloc" => crate::commands::alloc(&rest),
         "plugin" => crate::commands::plugin(&rest),
@@ -201,6 +207,122 @@ pub fn run(args: Vec<String>) -> u8 {
         other => {
             eprintln!("claimd: unknown command {other:?}; see `claimd --help`");
             EXIT_USAGE
+        }
+    }
+}
+
+/// The config named on the command line, or the default one (all
+/// defaults when the default file is missing).
+fn load_config(path: Option<&PathBuf>) -> Result<Config, u8> {
+    let (p, explicit) = match path {
+        Some(p) => (p.clone(), true),
+        None => (PathBuf::from(config::DEFAULT_CONFIG_PATH), false),
+    };
+    if !explicit && !p.exists() {
+        return Ok(Config::default());
+    }
+    Config::load(&p).map_err(|e| {
+        eprintln!("claimd: {}", crate::error_chain(&e));
+        EXIT_USAGE
+    })
+}
+
+pub fn state_help() -> String {
+    format!(
+        "claimd state: print the recorded state as JSON.
+
+USAGE:
+    claimd state [--config PATH | --state-dir DIR | --dev]
+
+Reads the snapshot (state.json) and replays the journal (state.journal) of
+the state directory, the way the agent does at start, and prints the result:
+registered volumes, claims and allocations with each volume's phase. Secret
+values are replaced by \"(redacted)\". Nothing is locked or written, so it
+works while the agent runs. A damaged state stops it with a message naming
+the file (exit 1), as it would stop the agent.
+
+OPTIONS:
+    --config PATH    take state_dir from this config [default: {cfg}]
+    --state-dir DIR  read this state directory
+    --dev            read the --dev agent's state ({tmp}/claimd-dev/state)
+",
+        cfg = config::DEFAULT_CONFIG_PATH,
+        tmp = std::env::temp_dir().display(),
+    )
+}
+
+fn run_state(args: &[String]) -> u8 {
+    let mut config_path: Option<PathBuf> = None;
+    let mut dir: Option<PathBuf> = None;
+    let mut dev = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-h" | "--help" => {
+                print!("{}", state_help());
+                return EXIT_OK;
+            }
+            "--dev" => dev = true,
+            "--config" | "--state-dir" => {
+                let Some(v) = it.next() else {
+                    eprintln!("claimd state: {a} needs a path");
+                    return EXIT_USAGE;
+                };
+                if a == "--config" {
+                    config_path = Some(PathBuf::from(v));
+                } else {
+                    dir = Some(PathBuf::from(v));
+                }
+            }
+            other => {
+                eprintln!("claimd state: unknown argument {other:?}; see `claimd state --help`");
+                return EXIT_USAGE;
+            }
+        }
+    }
+    if [config_path.is_some(), dir.is_some(), dev]
+        .iter()
+        .filter(|&&x| x)
+        .count()
+        > 1
+    {
+        eprintln!("claimd state: give at most one of --config, --state-dir and --dev");
+        return EXIT_USAGE;
+    }
+    let dir = match (dir, dev) {
+        (Some(d), _) => d,
+        (None, true) => std::env::temp_dir().join("claimd-dev").join("state"),
+        (None, false) => match load_config(config_path.as_ref()) {
+            Ok(c) => c.state_dir,
+            Err(code) => return code,
+        },
+    };
+    let loaded = match crate::state::load_dir(&dir) {
+        Ok(Some(l)) => l,
+        Ok(None) => {
+            eprintln!("claimd: no state in {}", dir.display());
+            return EXIT_FAILED;
+        }
+        Err(e) => {
+            eprintln!("claimd: {}", crate::error_chain(&e));
+            return EXIT_FAILED;
+        }
+    };
+    let mut state = loaded.state;
+    for spec in state.volumes.values_mut() {
+        let spec = std::sync::Arc::make_mut(spec);
+        for v in spec.secrets.values_mut() {
+            *v = "(redacted)".to_string();
+        }
+    }
+    match serde_json::to_string_pretty(&state) {
+        Ok(s) => {
+            println!("{s}");
+            EXIT_OK
+        }
+        Err(e) => {
+            eprintln!("claimd: cannot print the state: {e}");
+            EXIT_FAILED
         }
     }
 }
@@ -238,28 +360,9 @@ fn run_agent(args: &[String]) -> u8 {
     }
     init_logger(if dev { "debug" } else { "info" });
     limit_malloc_arenas();
-    let mut config = match &config_path {
-        Some(p) => match Config::load(p) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("claimd: {}", crate::error_chain(&e));
-                return EXIT_USAGE;
-            }
-        },
-        None => {
-            let p = PathBuf::from(config::DEFAULT_CONFIG_PATH);
-            if p.exists() {
-                match Config::load(&p) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        eprintln!("claimd: {}", crate::error_chain(&e));
-                        return EXIT_USAGE;
-                    }
-                }
-            } else {
-                Config::default()
-            }
-        }
+    let mut config = match load_config(config_path.as_ref()) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
     if dev {
         match dev_dir() {

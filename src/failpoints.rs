@@ -34,6 +34,7 @@ pub const FAILPOINTS: &[&str] = &[
     "release-after-claim-freed",
     "release-after-record-dropped",
     "restore-start",
+    "state-after-snapshot",
 ];
 
 pub const ENV: &str = "CLAIMD_FAILPOINT";
@@ -123,7 +124,7 @@ mod tests {
     #[test]
     fn the_list_matches_the_source() {
         let mut found = Vec::new();
-        for file in ["src/hook.rs", "src/agent.rs", "src/api.rs"] {
+        for file in ["src/hook.rs", "src/agent.rs", "src/api.rs", "src/state.rs"] {
             let text = std::fs::read_to_string(file).expect("read source");
             let needle = "failpoints::hit(\"";
             let mut rest = text.as_str();

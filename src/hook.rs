@@ -333,8 +333,8 @@ impl Manager {
         spec.validate().map_err(VolumeRegistryError::Invalid)?;
         self.inner.store.update(|s| {
             if let Some(old) = s.volumes.get(&spec.id) {
-                if *old != spec {
-                    if let Some(c) = s.claims.iter().find(|c| c.volume_id == spec.id) {
+                if **old != spec {
+                    if let Some(c) = s.claims_on(&spec.id).next() {
                         return Err(VolumeRegistryError::InUse {
                             volume_id: spec.id.clone(),
                             holder: c.alloc_id.clone(),
@@ -342,7 +342,7 @@ impl Manager {
                     }
                 }
             }
-            s.volumes.insert(spec.id.clone(), spec);
+            s.volumes.insert(spec.id.clone(), Arc::new(spec));
             Ok(())
         })
     }
@@ -352,7 +352,7 @@ impl Manager {
         crate::ids::check_id("volume", id)
             .map_err(|e| VolumeRegistryError::Invalid(SpecError::Id(e)))?;
         self.inner.store.update(|s| {
-            if let Some(c) = s.claims.iter().find(|c| c.volume_id == id) {
+            if let Some(c) = s.claims_on(id).next() {
                 return Err(VolumeRegistryError::InUse {
                     volume_id: id.to_string(),
                     holder: c.alloc_id.clone(),
@@ -371,7 +371,7 @@ impl Manager {
     pub fn list_volumes(&self) -> Vec<VolumeSpec> {
         self.inner
             .store
-            .read(|s| s.volumes.values().cloned().collect())
+            .read(|s| s.volumes.values().map(|v| (**v).clone()).collect())
     }
 
     // ---- mount ----------------------------------------------------------
@@ -425,11 +425,11 @@ impl Manager {
             }
             s.allocs.insert(
                 alloc_id.to_string(),
-                AllocRecord {
+                Arc::new(AllocRecord {
                     id: alloc_id.to_string(),
                     releasing: false,
                     volumes: wanted,
-                },
+                }),
             );
             Ok(true)
         })?;
@@ -543,7 +543,7 @@ impl Manager {
             .read(|s| s.volume(alloc_id, alias).cloned())
     }
 
-    fn spec(&self, volume_id: &str) -> Option<VolumeSpec> {
+    fn spec(&self, volume_id: &str) -> Option<Arc<VolumeSpec>> {
         self.inner.store.read(|s| s.volumes.get(volume_id).cloned())
     }
 
@@ -969,7 +969,7 @@ impl Manager {
         crate::ids::check_id("allocation", alloc_id)
             .map_err(|e| ReleaseError::Invalid(SpecError::Id(e)))?;
         let aliases = self.inner.store.update(|s| -> Result<_, ReleaseError> {
-            let Some(a) = s.allocs.get_mut(alloc_id) else {
+            let Some(a) = s.alloc_mut(alloc_id) else {
                 return Ok(None);
             };
             a.releasing = true;
@@ -1213,7 +1213,11 @@ impl Manager {
                     // The recorded node ID, never a fresh lookup.
                     req.node_id = rec.external_node_id.clone().unwrap_or_default();
                     if let Some(spec) = self.spec(&rec.volume_id) {
-                        req.secrets = spec.secrets.into_iter().collect();
+                        req.secrets = spec
+                            .secrets
+                            .iter()
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect();
                     }
                     failpoints::hit("before-controller-unpublish");
                     match c.client.controller_unpublish_volume(&req) {
@@ -1547,7 +1551,7 @@ impl Manager {
             // A teardown phase without the flag (should not happen) still
             // means the release must go on.
             let _ = self.inner.store.update(|s| -> Result<(), StateError> {
-                if let Some(a) = s.allocs.get_mut(id) {
+                if let Some(a) = s.alloc_mut(id) {
                     a.releasing = true;
                 }
                 Ok(())
@@ -1755,7 +1759,7 @@ enum ClaimChange<'a> {
 
 /// Drops one volume record, and the allocation with its last one.
 fn drop_record(s: &mut StateFile, alloc_id: &str, alias: &str) {
-    if let Some(a) = s.allocs.get_mut(alloc_id) {
+    if let Some(a) = s.alloc_mut(alloc_id) {
         a.volumes.remove(alias);
         if a.volumes.is_empty() {
             s.allocs.remove(alloc_id);

@@ -18,6 +18,7 @@ pub mod csi;
 pub mod failpoints;
 pub mod hook;
 pub mod ids;
+pub mod journal;
 pub mod mounts;
 pub mod plugins;
 pub mod retry;

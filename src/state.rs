@@ -1,8 +1,19 @@
-//! The state file: one JSON document under the state directory, rewritten
-//! atomically (temporary file in the same directory, fsync, rename, fsync
-//! of the directory), mode 0600. A file that does not parse, or has a schema
-//! version this build does not know, stops the agent with an error naming
-//! it; it is never overwritten.
+//! The state: a snapshot (`state.json`, one JSON document) plus a journal
+//! (`state.journal`, one line per durable change since the snapshot), both
+//! mode 0600 in the state directory.
+//!
+//! A change is made durable by appending one line to the journal and
+//! fdatasync'ing it: a few hundred bytes and one flush, whatever the number
+//! of allocations on record. When the journal has grown as large as the
+//! snapshot, the next write rewrites the snapshot atomically (temporary
+//! file, fdatasync, rename, fsync of the directory) and starts an empty
+//! journal the same way. Opening the store folds a non-empty journal into
+//! a new snapshot.
+//!
+//! A snapshot that does not parse, has a schema version this build does not
+//! know, or a journal damaged anywhere but in its last line (which a crash
+//! can cut off) stops the agent with an error naming the file; neither is
+//! ever overwritten.
 //!
 //! Write-ahead: every allocation volume record carries a phase; an in-flight
 //! phase is made durable before its CSI call is sent, so a restart knows
@@ -11,16 +22,18 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::claims::Claim;
+use crate::journal::{self, Delta, JOURNAL_FILE};
 use crate::volumes::{Usage, VolumeSpec};
 
 pub const SCHEMA_VERSION: u32 = 1;
@@ -124,6 +137,12 @@ pub struct AllocRecord {
     pub volumes: BTreeMap<String, AllocVolume>,
 }
 
+/// (volume ID, allocation ID): the key of a claim.
+pub type ClaimKey = (String, String);
+
+/// Everything claimd records. Records are shared (`Arc`) between the durable
+/// copy and the copies updates work on, so an update clones pointers, not
+/// records, and the journal finds what changed by pointer comparison.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StateFile {
@@ -131,11 +150,43 @@ pub struct StateFile {
     /// Boot ID of the kernel this state was last converged on.
     pub boot_id: String,
     #[serde(default)]
-    pub volumes: BTreeMap<String, VolumeSpec>,
+    pub volumes: BTreeMap<String, Arc<VolumeSpec>>,
+    /// Written as a list of claims, ordered by volume, then allocation.
+    #[serde(default, with = "claim_list")]
+    pub claims: BTreeMap<ClaimKey, Arc<Claim>>,
     #[serde(default)]
-    pub claims: Vec<Claim>,
-    #[serde(default)]
-    pub allocs: BTreeMap<String, AllocRecord>,
+    pub allocs: BTreeMap<String, Arc<AllocRecord>>,
+}
+
+/// Claims in the file are a list (as in every earlier file); in memory they
+/// are keyed by (volume, allocation).
+mod claim_list {
+    use super::*;
+    use serde::de::Error as _;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        m: &BTreeMap<ClaimKey, Arc<Claim>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.values())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<ClaimKey, Arc<Claim>>, D::Error> {
+        let list: Vec<Claim> = Vec::deserialize(d)?;
+        let mut m = BTreeMap::new();
+        for c in list {
+            let key = (c.volume_id.clone(), c.alloc_id.clone());
+            if m.insert(key, Arc::new(c)).is_some() {
+                return Err(D::Error::custom(
+                    "two claims of one allocation on one volume",
+                ));
+            }
+        }
+        Ok(m)
+    }
 }
 
 impl StateFile {
@@ -144,7 +195,7 @@ impl StateFile {
             schema_version: SCHEMA_VERSION,
             boot_id: boot_id.to_string(),
             volumes: BTreeMap::new(),
-            claims: Vec::new(),
+            claims: BTreeMap::new(),
             allocs: BTreeMap::new(),
         }
     }
@@ -153,15 +204,42 @@ impl StateFile {
     pub fn alloc_volumes(&self) -> impl Iterator<Item = (&AllocRecord, &AllocVolume)> {
         self.allocs
             .values()
-            .flat_map(|a| a.volumes.values().map(move |v| (a, v)))
+            .flat_map(|a| a.volumes.values().map(move |v| (&**a, v)))
+    }
+
+    /// The allocation's record, for changing (copied first when shared).
+    pub fn alloc_mut(&mut self, alloc: &str) -> Option<&mut AllocRecord> {
+        self.allocs.get_mut(alloc).map(Arc::make_mut)
     }
 
     pub fn volume_mut(&mut self, alloc: &str, alias: &str) -> Option<&mut AllocVolume> {
-        self.allocs.get_mut(alloc)?.volumes.get_mut(alias)
+        self.alloc_mut(alloc)?.volumes.get_mut(alias)
     }
 
     pub fn volume(&self, alloc: &str, alias: &str) -> Option<&AllocVolume> {
         self.allocs.get(alloc)?.volumes.get(alias)
+    }
+
+    /// The claims on one volume.
+    pub fn claims_on<'a>(&'a self, volume_id: &str) -> impl Iterator<Item = &'a Claim> + 'a {
+        let from = (volume_id.to_string(), String::new());
+        let volume_id = volume_id.to_string();
+        self.claims
+            .range(from..)
+            .take_while(move |((v, _), _)| *v == volume_id)
+            .map(|(_, c)| &**c)
+    }
+
+    pub fn claim(&self, volume_id: &str, alloc_id: &str) -> Option<&Claim> {
+        self.claims
+            .get(&(volume_id.to_string(), alloc_id.to_string()))
+            .map(|c| &**c)
+    }
+
+    pub fn claim_mut(&mut self, volume_id: &str, alloc_id: &str) -> Option<&mut Claim> {
+        self.claims
+            .get_mut(&(volume_id.to_string(), alloc_id.to_string()))
+            .map(Arc::make_mut)
     }
 
     /// Other records that hold the staging path `path`.
@@ -204,6 +282,21 @@ pub enum StateError {
         path: PathBuf,
         source: serde_json::Error,
     },
+    /// A journal line other than the last is damaged.
+    CorruptJournal {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    /// A journal without the snapshot it belongs to.
+    JournalWithoutSnapshot {
+        journal: PathBuf,
+        snapshot: PathBuf,
+    },
+    /// The snapshot and the journal kept changing while being read.
+    Unstable {
+        path: PathBuf,
+    },
     UnknownVersion {
         path: PathBuf,
         found: String,
@@ -237,6 +330,22 @@ impl fmt::Display for StateError {
                 "state file {} is corrupt; refusing to start and leaving it untouched (restore it from a backup or move it aside)",
                 path.display()
             ),
+            StateError::CorruptJournal { path, line, reason } => write!(
+                f,
+                "state journal {} is corrupt at line {line} ({reason}); refusing to start and leaving it untouched (restore the state directory from a backup or move it aside)",
+                path.display()
+            ),
+            StateError::JournalWithoutSnapshot { journal, snapshot } => write!(
+                f,
+                "state journal {} exists but its snapshot {} does not; refusing to start and leaving it untouched (restore the snapshot, or move the journal aside to start empty)",
+                journal.display(),
+                snapshot.display()
+            ),
+            StateError::Unstable { path } => write!(
+                f,
+                "the state in {} kept changing while it was read; try again",
+                path.display()
+            ),
             StateError::UnknownVersion { path, found } => write!(
                 f,
                 "state file {} has schema version {found}, which this claimd (schema {SCHEMA_VERSION}) does not know; refusing to start and leaving it untouched",
@@ -259,7 +368,11 @@ impl std::error::Error for StateError {
             | StateError::Write { source, .. }
             | StateError::BootId { source } => Some(source),
             StateError::Corrupt { source, .. } => Some(source),
-            StateError::Locked { .. } | StateError::UnknownVersion { .. } => None,
+            StateError::Locked { .. }
+            | StateError::UnknownVersion { .. }
+            | StateError::CorruptJournal { .. }
+            | StateError::JournalWithoutSnapshot { .. }
+            | StateError::Unstable { .. } => None,
         }
     }
 }
@@ -285,7 +398,7 @@ pub struct WriteStats {
 
 /// Group commit: changes of concurrent `update`s pile up in `pending` while
 /// one of them writes; the next writer makes the whole pile durable in one
-/// atomic rewrite. Sequence numbers tell each updater when its change is on
+/// journal line. Sequence numbers tell each updater when its change is on
 /// disk.
 struct Commit {
     /// What is on disk: what readers see.
@@ -303,24 +416,45 @@ struct Commit {
     writing: bool,
 }
 
-/// The state file and its in-memory copy. Every change goes through
-/// `update`, which holds the lock for the whole read-modify-write and
-/// returns only once the change is durable; readers see only durable state.
+/// The journal file being appended to. Only the writer of the moment
+/// touches it.
+struct Journal {
+    file: File,
+    /// Bytes of whole lines in the file.
+    len: u64,
+    /// Size of the snapshot the journal follows.
+    snapshot_len: u64,
+    /// An append failed part-way: the file may end in a partial line, so
+    /// the next write starts a new snapshot and journal instead.
+    broken: bool,
+}
+
+/// The journal is folded into a new snapshot once it is at least this
+/// large and at least as large as the snapshot.
+pub const JOURNAL_MIN_COMPACT: u64 = 1 << 20;
+
+/// The state and its in-memory copy. Every change goes through `update`,
+/// which holds the lock for the whole read-modify-write and returns only
+/// once the change is durable; readers see only durable state.
 pub struct StateStore {
     dir: PathBuf,
     path: PathBuf,
+    journal_path: PathBuf,
     state: Mutex<Commit>,
     durable_changed: Condvar,
+    journal: Mutex<Journal>,
     /// Boot ID recorded in the file at open.
     recorded_boot_id: String,
     boot_id: String,
     writes: AtomicU64,
     bytes_written: AtomicU64,
+    fsyncs: AtomicU64,
+    snapshots: AtomicU64,
     _lock: File,
 }
 
 impl StateStore {
-    /// Locks the directory and loads the state file (or starts a new one).
+    /// Locks the directory and loads the state (or starts a new one).
     pub fn open(dir: &Path) -> Result<StateStore, StateError> {
         Self::open_with_boot_id(dir, &current_boot_id()?)
     }
@@ -360,17 +494,50 @@ impl StateStore {
             });
         }
         let path = dir.join(STATE_FILE);
-        // A temporary file left by a crash mid-write is never authoritative.
+        let journal_path = dir.join(JOURNAL_FILE);
+        // Temporary files left by a crash mid-write are never authoritative.
         let _ = std::fs::remove_file(tmp_path(&path));
-        let (state, fresh) = match std::fs::read(&path) {
-            Ok(bytes) => (parse_state(&path, &bytes)?, false),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => (StateFile::new(boot_id), true),
-            Err(source) => return Err(StateError::Read { path, source }),
+        let _ = std::fs::remove_file(tmp_path(&journal_path));
+        let loaded = read_files(&path, &journal_path)?;
+        let fresh = loaded.is_none();
+        let (state, replayed) = match loaded {
+            Some(l) => (l.state, l.journal_len > 0),
+            None => (StateFile::new(boot_id), false),
         };
+        for p in [&path, &journal_path] {
+            if let Ok(meta) = std::fs::metadata(p) {
+                if meta.permissions().mode() & 0o077 != 0 {
+                    log::warn!("{} was readable by others; setting mode 0600", p.display());
+                    let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600));
+                }
+            }
+        }
         let recorded_boot_id = state.boot_id.clone();
-        let store = StateStore {
+        // Start every run from one snapshot and an empty journal: a fresh
+        // directory gets both, and a journal left by the last run (or a
+        // crash) is folded in. An empty journal is simply reused.
+        let journal = if fresh || replayed || !journal_path.exists() {
+            let (file, snapshot_len) = fold(dir, &path, &journal_path, &state)?;
+            Journal {
+                file,
+                len: 0,
+                snapshot_len,
+                broken: false,
+            }
+        } else {
+            let file = open_journal(&journal_path)?;
+            let snapshot_len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            Journal {
+                file,
+                len: 0,
+                snapshot_len,
+                broken: false,
+            }
+        };
+        Ok(StateStore {
             dir: dir.to_path_buf(),
             path,
+            journal_path,
             state: Mutex::new(Commit {
                 committed: state,
                 pending: None,
@@ -381,30 +548,25 @@ impl StateStore {
                 writing: false,
             }),
             durable_changed: Condvar::new(),
+            journal: Mutex::new(journal),
             recorded_boot_id,
             boot_id: boot_id.to_string(),
             writes: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
+            fsyncs: AtomicU64::new(0),
+            snapshots: AtomicU64::new(0),
             _lock: lock,
-        };
-        if fresh {
-            let s = store.state.lock().committed.clone();
-            store.write(&s)?;
-        } else if let Ok(meta) = std::fs::metadata(&store.path) {
-            if meta.permissions().mode() & 0o077 != 0 {
-                log::warn!(
-                    "state file {} was readable by others; setting mode 0600",
-                    store.path.display()
-                );
-                let _ =
-                    std::fs::set_permissions(&store.path, std::fs::Permissions::from_mode(0o600));
-            }
-        }
-        Ok(store)
+        })
     }
 
+    /// The snapshot, `state.json`.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The journal, `state.journal`.
+    pub fn journal_path(&self) -> &Path {
+        &self.journal_path
     }
 
     pub fn dir(&self) -> &Path {
@@ -423,14 +585,11 @@ impl StateStore {
 
     /// What the store has written since open.
     pub fn write_stats(&self) -> WriteStats {
-        let writes = self.writes.load(Ordering::Relaxed);
         WriteStats {
-            writes,
+            writes: self.writes.load(Ordering::Relaxed),
             bytes: self.bytes_written.load(Ordering::Relaxed),
-            // Each atomic rewrite: fdatasync of the file, fsync of the
-            // directory.
-            fsyncs: writes * 2,
-            snapshots: writes,
+            fsyncs: self.fsyncs.load(Ordering::Relaxed),
+            snapshots: self.snapshots.load(Ordering::Relaxed),
         }
     }
 
@@ -439,15 +598,16 @@ impl StateStore {
         f(&self.state.lock().committed)
     }
 
+    /// A copy of the durable state (records are shared, not copied).
     pub fn snapshot(&self) -> StateFile {
         self.state.lock().committed.clone()
     }
 
     /// Applies `f` to a copy of the latest state; when it succeeds and
     /// changed something, returns once the change is durable. Concurrent
-    /// updates are written together in one atomic rewrite (group commit).
+    /// updates are written together in one journal line (group commit).
     /// A failed write fails every change of its batch (and those applied on
-    /// top of it) and leaves the file and the durable state as they were.
+    /// top of it) and leaves the files and the durable state as they were.
     pub fn update<R, E: From<StateError>>(
         &self,
         f: impl FnOnce(&mut StateFile) -> Result<R, E>,
@@ -471,7 +631,7 @@ impl StateStore {
             }
             if g.failed >= mine {
                 return Err(StateError::Write {
-                    path: self.path.clone(),
+                    path: self.journal_path.clone(),
                     source: io::Error::other(g.failure.clone()),
                 }
                 .into());
@@ -487,9 +647,10 @@ impl StateStore {
                 // spin on it.
                 return Ok(r);
             };
+            let old = g.committed.clone();
             let upto = g.applied;
             g.writing = true;
-            let res = MutexGuard::unlocked(&mut g, || self.write(&batch));
+            let res = MutexGuard::unlocked(&mut g, || self.persist(&old, &batch));
             g.writing = false;
             match res {
                 Ok(()) => {
@@ -513,26 +674,279 @@ impl StateStore {
         }
     }
 
-    fn write(&self, state: &StateFile) -> Result<(), StateError> {
-        let mut bytes = serde_json::to_vec(state).map_err(|e| StateError::Write {
-            path: self.path.clone(),
+    /// Folds the journal into a new snapshot now (on a graceful stop), so
+    /// that `state.json` alone holds the whole state. Waits for a write in
+    /// progress; does nothing when the journal is empty or changes are
+    /// still waiting for their writer (it will write them).
+    pub fn compact(&self) -> Result<(), StateError> {
+        let mut g = self.state.lock();
+        while g.writing {
+            self.durable_changed.wait(&mut g);
+        }
+        if g.pending.is_some() {
+            return Ok(());
+        }
+        let state = g.committed.clone();
+        g.writing = true;
+        let res = MutexGuard::unlocked(&mut g, || {
+            let mut j = self.journal.lock();
+            if j.len == 0 && !j.broken {
+                return Ok(());
+            }
+            self.compact_into(&mut j, &state)
+        });
+        g.writing = false;
+        self.durable_changed.notify_all();
+        res
+    }
+
+    /// Makes `new` durable, `old` being what is durable now: one journal
+    /// line, or a new snapshot and journal when the journal has grown large
+    /// (or an append failed part-way).
+    fn persist(&self, old: &StateFile, new: &StateFile) -> Result<(), StateError> {
+        let mut j = self.journal.lock();
+        if j.broken || j.len >= JOURNAL_MIN_COMPACT.max(j.snapshot_len) {
+            return self.compact_into(&mut j, new);
+        }
+        let delta = Delta::between(old, new);
+        if delta.is_empty() {
+            return Ok(());
+        }
+        let line = journal::encode(&delta).map_err(|e| StateError::Write {
+            path: self.journal_path.clone(),
             source: io::Error::other(e),
         })?;
-        bytes.push(b'\n');
-        let tmp = tmp_path(&self.path);
-        let res = write_atomically(&self.dir, &tmp, &self.path, &bytes);
+        let res = (|| {
+            j.file.write_all(&line)?;
+            j.file.sync_data()
+        })();
         if let Err(source) = res {
-            let _ = std::fs::remove_file(&tmp);
+            // Cut off whatever part of the line was written; if even that
+            // fails, the next write replaces the journal.
+            let len = j.len;
+            if j.file
+                .set_len(len)
+                .and_then(|()| j.file.sync_data())
+                .is_err()
+            {
+                j.broken = true;
+            }
             return Err(StateError::Write {
-                path: self.path.clone(),
+                path: self.journal_path.clone(),
                 source,
             });
         }
+        j.len += line.len() as u64;
         self.writes.fetch_add(1, Ordering::Relaxed);
+        self.fsyncs.fetch_add(1, Ordering::Relaxed);
         self.bytes_written
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            .fetch_add(line.len() as u64, Ordering::Relaxed);
         Ok(())
     }
+
+    /// A new snapshot of `state`, then a new empty journal. The snapshot is
+    /// durable before the old journal is replaced, so a crash in between
+    /// leaves a snapshot plus a journal whose changes it already holds.
+    fn compact_into(&self, j: &mut Journal, state: &StateFile) -> Result<(), StateError> {
+        let (file, snapshot_len) = fold(&self.dir, &self.path, &self.journal_path, state)?;
+        // Snapshot: fdatasync and directory fsync; journal: fsync of the
+        // new file and of the directory.
+        self.fsyncs.fetch_add(4, Ordering::Relaxed);
+        self.bytes_written
+            .fetch_add(snapshot_len, Ordering::Relaxed);
+        j.file = file;
+        j.len = 0;
+        j.snapshot_len = snapshot_len;
+        j.broken = false;
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        self.snapshots.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Writes `state` as the new snapshot, then replaces the journal with an
+/// empty one; returns the journal, open for appends, and the snapshot's
+/// size. The snapshot is durable before the old journal goes, so a crash in
+/// between leaves a snapshot plus a journal whose changes it already holds
+/// (replaying them changes nothing).
+fn fold(
+    dir: &Path,
+    path: &Path,
+    journal_path: &Path,
+    state: &StateFile,
+) -> Result<(File, u64), StateError> {
+    let snapshot_len = write_snapshot(dir, path, state)?;
+    crate::failpoints::hit("state-after-snapshot");
+    Ok((new_journal(dir, journal_path)?, snapshot_len))
+}
+
+/// Writes the snapshot atomically; returns its size.
+fn write_snapshot(dir: &Path, path: &Path, state: &StateFile) -> Result<u64, StateError> {
+    let write_err = |source| StateError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut bytes = serde_json::to_vec(state).map_err(|e| write_err(io::Error::other(e)))?;
+    bytes.push(b'\n');
+    let tmp = tmp_path(path);
+    if let Err(source) = write_atomically(dir, &tmp, path, &bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(write_err(source));
+    }
+    Ok(bytes.len() as u64)
+}
+
+/// Replaces the journal with a new empty one (created aside, then renamed
+/// over it, so a reader never sees it half-way) and opens it for appends.
+fn new_journal(dir: &Path, path: &Path) -> Result<File, StateError> {
+    let tmp = tmp_path(path);
+    let res = (|| {
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()?;
+        open_journal_io(path)
+    })();
+    res.map_err(|source| {
+        let _ = std::fs::remove_file(&tmp);
+        StateError::Write {
+            path: path.to_path_buf(),
+            source,
+        }
+    })
+}
+
+fn open_journal_io(path: &Path) -> io::Result<File> {
+    OpenOptions::new().append(true).mode(0o600).open(path)
+}
+
+fn open_journal(path: &Path) -> Result<File, StateError> {
+    open_journal_io(path).map_err(|source| StateError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The state read back from a directory.
+pub struct Loaded {
+    pub state: StateFile,
+    /// Bytes of journal that were read (0: no journal, or an empty one).
+    pub journal_len: u64,
+    /// The journal's last line was cut off by a crash and left out.
+    pub torn_tail: bool,
+}
+
+fn read_err(path: &Path) -> impl Fn(io::Error) -> StateError + '_ {
+    move |source| StateError::Read {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Reads the snapshot and replays the journal. None: neither exists.
+/// Changes nothing on disk.
+fn read_files(path: &Path, journal_path: &Path) -> Result<Option<Loaded>, StateError> {
+    let snapshot = match std::fs::read(path) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(read_err(path)(e)),
+    };
+    let journal = match std::fs::read(journal_path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(read_err(journal_path)(e)),
+    };
+    assemble(path, snapshot.as_deref(), journal_path, &journal)
+}
+
+fn assemble(
+    path: &Path,
+    snapshot: Option<&[u8]>,
+    journal_path: &Path,
+    journal: &[u8],
+) -> Result<Option<Loaded>, StateError> {
+    let Some(snapshot) = snapshot else {
+        if journal.is_empty() {
+            return Ok(None);
+        }
+        return Err(StateError::JournalWithoutSnapshot {
+            journal: journal_path.to_path_buf(),
+            snapshot: path.to_path_buf(),
+        });
+    };
+    let mut state = parse_state(path, snapshot)?;
+    let replay = journal::parse(journal).map_err(|c| StateError::CorruptJournal {
+        path: journal_path.to_path_buf(),
+        line: c.line,
+        reason: c.reason,
+    })?;
+    if replay.torn_tail {
+        log::warn!(
+            "the last line of {} was cut off (a write interrupted by a crash); it was never acknowledged and is left out",
+            journal_path.display()
+        );
+    }
+    for d in replay.deltas {
+        d.apply(&mut state);
+    }
+    Ok(Some(Loaded {
+        state,
+        journal_len: journal.len() as u64,
+        torn_tail: replay.torn_tail,
+    }))
+}
+
+/// Reads the state of a directory without locking it, while an agent may
+/// be writing it (for `claimd state` and tests). The journal is opened
+/// before the snapshot is read, and the read is retried if either file was
+/// replaced meanwhile, so a compaction cannot make the result miss a
+/// change. Changes nothing on disk. None: the directory holds no state.
+pub fn load_dir(dir: &Path) -> Result<Option<Loaded>, StateError> {
+    let path = dir.join(STATE_FILE);
+    let journal_path = dir.join(JOURNAL_FILE);
+    let ino = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    for _ in 0..50 {
+        let mut journal_file = match File::open(&journal_path) {
+            Ok(f) => Some(f),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(read_err(&journal_path)(e)),
+        };
+        let journal_id = match &journal_file {
+            Some(f) => {
+                let m = f.metadata().map_err(read_err(&journal_path))?;
+                Some((m.dev(), m.ino()))
+            }
+            None => None,
+        };
+        let (snapshot, snapshot_id) = match File::open(&path) {
+            Ok(mut f) => {
+                let m = f.metadata().map_err(read_err(&path))?;
+                let mut b = Vec::new();
+                f.read_to_end(&mut b).map_err(read_err(&path))?;
+                (Some(b), Some((m.dev(), m.ino())))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (None, None),
+            Err(e) => return Err(read_err(&path)(e)),
+        };
+        let mut journal = Vec::new();
+        if let Some(f) = journal_file.as_mut() {
+            f.read_to_end(&mut journal)
+                .map_err(read_err(&journal_path))?;
+        }
+        if ino(&path) != snapshot_id || ino(&journal_path) != journal_id {
+            // A compaction replaced a file while we read: read again.
+            std::thread::yield_now();
+            continue;
+        }
+        return assemble(&path, snapshot.as_deref(), &journal_path, &journal);
+    }
+    Err(StateError::Unstable { path: path.clone() })
 }
 
 fn tmp_path(path: &Path) -> PathBuf {
@@ -590,13 +1004,17 @@ mod tests {
         }
     }
 
-    fn spec(id: &str) -> VolumeSpec {
+    fn spec(id: &str) -> Arc<VolumeSpec> {
         serde_json::from_value(serde_json::json!({
             "id": id, "plugin_id": "p", "external_id": "x",
             "access_modes": ["single-node-writer"], "attachment_modes": ["file-system"],
             "secrets": {"token": "s3cret"}
         }))
         .expect("spec")
+    }
+
+    fn on_disk(dir: &Path) -> StateFile {
+        load_dir(dir).expect("load").expect("a state").state
     }
 
     #[test]
@@ -609,16 +1027,27 @@ mod tests {
                 Ok(())
             })
             .expect("update");
-            assert_eq!(s.write_stats().writes, 2); // creation + update
-                                                   // A no-op update writes nothing.
+            // One journal line; opening wrote the first snapshot.
+            assert_eq!(
+                s.write_stats(),
+                WriteStats {
+                    writes: 1,
+                    bytes: std::fs::metadata(s.journal_path()).expect("journal").len(),
+                    fsyncs: 1,
+                    snapshots: 0
+                }
+            );
+            // A no-op update writes nothing.
             s.update::<_, TestErr>(|_| Ok(())).expect("noop");
-            assert_eq!(s.write_stats().writes, 2);
+            assert_eq!(s.write_stats().writes, 1);
         }
-        let mode = std::fs::metadata(dir.path().join(STATE_FILE))
-            .expect("stat")
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600);
+        for f in [STATE_FILE, JOURNAL_FILE] {
+            let mode = std::fs::metadata(dir.path().join(f))
+                .expect("stat")
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{f}");
+        }
         let s = StateStore::open_with_boot_id(dir.path(), "boot-a").expect("reopen");
         assert!(!s.rebooted());
         assert_eq!(
@@ -698,8 +1127,7 @@ mod tests {
                     })
                     .expect("update");
                     // Once update returns, the change is on disk.
-                    let on_disk = parse_state(s.path(), &std::fs::read(s.path()).expect("read"))
-                        .expect("parse");
+                    let on_disk = on_disk(s.dir());
                     assert!(on_disk.volumes.contains_key(&format!("v{i}")));
                 })
             })
@@ -707,12 +1135,11 @@ mod tests {
         for t in threads {
             t.join().expect("thread");
         }
-        let on_disk =
-            parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
+        let on_disk = on_disk(s.dir());
         assert_eq!(on_disk.volumes.len(), 40);
         assert_eq!(s.snapshot(), on_disk);
         let writes = s.write_stats().writes;
-        assert!((2..=41).contains(&writes), "{writes} writes");
+        assert!((1..=40).contains(&writes), "{writes} writes");
     }
 
     #[test]
@@ -746,15 +1173,23 @@ mod tests {
         })
         .expect("a small update fits");
         let before = std::fs::read(s.path()).expect("read");
+        let journal_before = std::fs::read(s.journal_path()).expect("read");
         let r: Result<(), TestErr> = s.update(|st| {
             let mut big = spec("big");
-            big.context.insert("blob".into(), "x".repeat(200 * 1024));
+            Arc::make_mut(&mut big)
+                .context
+                .insert("blob".into(), "x".repeat(200 * 1024));
             st.volumes.insert("big".into(), big);
             Ok(())
         });
         let e = r.expect_err("the disk is full");
         assert!(e.0.contains("failed to write state file"), "{e:?}");
         assert_eq!(std::fs::read(s.path()).expect("read"), before);
+        assert_eq!(
+            std::fs::read(s.journal_path()).expect("read"),
+            journal_before,
+            "the part of the line that fitted was not cut off"
+        );
         assert!(s.read(|st| !st.volumes.contains_key("big")));
         assert!(!tmp_path(s.path()).exists(), "the temporary file was left");
         // The store still works after the failure.
@@ -763,9 +1198,7 @@ mod tests {
             Ok(())
         })
         .expect("update after a failure");
-        let on_disk =
-            parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
-        assert!(on_disk.volumes.is_empty());
+        assert!(on_disk(s.dir()).volumes.is_empty());
     }
 
     #[test]
@@ -777,5 +1210,191 @@ mod tests {
         let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
         assert!(!tmp.exists());
         assert_eq!(s.read(|st| st.schema_version), SCHEMA_VERSION);
+    }
+
+    fn put(s: &StateStore, id: &str, blob: usize) {
+        s.update::<_, TestErr>(|st| {
+            let mut v = spec(id);
+            Arc::make_mut(&mut v)
+                .context
+                .insert("blob".into(), "x".repeat(blob));
+            st.volumes.insert(id.into(), v);
+            Ok(())
+        })
+        .expect("update");
+    }
+
+    #[test]
+    fn changes_are_journal_lines_and_reopening_folds_them_in() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let snapshot_at_open;
+        {
+            let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+            snapshot_at_open = std::fs::read(s.path()).expect("read");
+            for i in 0..3 {
+                put(&s, &format!("v{i}"), 10);
+            }
+            let ws = s.write_stats();
+            assert_eq!((ws.writes, ws.fsyncs, ws.snapshots), (3, 3, 0));
+            // The snapshot is untouched; the journal has one line a change.
+            assert_eq!(std::fs::read(s.path()).expect("read"), snapshot_at_open);
+            let journal = std::fs::read(s.journal_path()).expect("read");
+            assert_eq!(journal.iter().filter(|&&b| b == b'\n').count(), 3);
+            assert_eq!(ws.bytes, journal.len() as u64);
+            assert_eq!(on_disk(dir.path()), s.snapshot());
+        }
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("reopen");
+        assert_eq!(s.read(|st| st.volumes.len()), 3);
+        // `compact` (a graceful stop) does the same while running.
+        put(&s, "v3", 10);
+        assert!(std::fs::metadata(s.journal_path()).expect("stat").len() > 0);
+        s.compact().expect("compact");
+        assert_eq!(std::fs::metadata(s.journal_path()).expect("stat").len(), 0);
+        let snap = parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
+        assert_eq!(snap, s.snapshot());
+        assert_eq!(s.write_stats().snapshots, 1);
+        drop(s);
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("reopen");
+        assert_eq!(s.read(|st| st.volumes.len()), 4);
+        // Folded in: a new snapshot holds everything, the journal is empty.
+        let snap = parse_state(s.path(), &std::fs::read(s.path()).expect("read")).expect("parse");
+        assert_eq!(snap, s.snapshot());
+        assert_eq!(std::fs::metadata(s.journal_path()).expect("stat").len(), 0);
+    }
+
+    #[test]
+    fn a_large_journal_is_compacted_into_a_snapshot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        // 100 KiB a change: the journal passes 1 MiB after 11 changes.
+        for i in 0..25 {
+            put(&s, &format!("v{}", i % 5), 100 * 1024 + i);
+        }
+        let ws = s.write_stats();
+        assert!(ws.snapshots >= 1, "{ws:?}");
+        assert!(
+            std::fs::metadata(s.journal_path()).expect("stat").len() <= JOURNAL_MIN_COMPACT * 2,
+            "the journal kept growing"
+        );
+        assert_eq!(on_disk(dir.path()), s.snapshot());
+        drop(s);
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("reopen");
+        assert_eq!(
+            s.read(|st| st.volumes["v4"].context["blob"].len()),
+            100 * 1024 + 24
+        );
+    }
+
+    #[test]
+    fn a_corrupt_journal_is_refused_and_untouched() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let journal_path;
+        {
+            let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+            put(&s, "v1", 10);
+            put(&s, "v2", 10);
+            journal_path = s.journal_path().to_path_buf();
+        }
+        let snapshot = std::fs::read(dir.path().join(STATE_FILE)).expect("read");
+        let mut journal = std::fs::read(&journal_path).expect("read");
+        journal[30] ^= 0x20;
+        std::fs::write(&journal_path, &journal).expect("write");
+        let e = StateStore::open_with_boot_id(dir.path(), "b")
+            .err()
+            .expect("must refuse");
+        let msg = e.to_string();
+        assert!(msg.contains(&journal_path.display().to_string()), "{msg}");
+        assert!(msg.contains("corrupt at line 1"), "{msg}");
+        assert_eq!(std::fs::read(&journal_path).expect("read"), journal);
+        assert_eq!(
+            std::fs::read(dir.path().join(STATE_FILE)).expect("read"),
+            snapshot
+        );
+        assert!(matches!(
+            load_dir(dir.path()),
+            Err(StateError::CorruptJournal { line: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_torn_last_line_is_left_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+            put(&s, "v1", 10);
+            put(&s, "v2", 10);
+        }
+        let journal_path = dir.path().join(JOURNAL_FILE);
+        let journal = std::fs::read(&journal_path).expect("read");
+        // Cut the second line in the middle, as a crash during the write.
+        let first = journal.iter().position(|&b| b == b'\n').expect("a line") + 1;
+        std::fs::write(&journal_path, &journal[..first + 40]).expect("write");
+        let loaded = load_dir(dir.path()).expect("load").expect("state");
+        assert!(loaded.torn_tail);
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        assert_eq!(
+            s.read(|st| st.volumes.keys().cloned().collect::<Vec<_>>()),
+            ["v1"]
+        );
+        assert_eq!(std::fs::metadata(&journal_path).expect("stat").len(), 0);
+    }
+
+    #[test]
+    fn a_journal_without_its_snapshot_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+            put(&s, "v1", 10);
+        }
+        std::fs::remove_file(dir.path().join(STATE_FILE)).expect("rm");
+        let e = StateStore::open_with_boot_id(dir.path(), "b")
+            .err()
+            .expect("must refuse");
+        assert!(
+            matches!(e, StateError::JournalWithoutSnapshot { .. }),
+            "{e}"
+        );
+        assert!(!dir.path().join(STATE_FILE).exists());
+    }
+
+    #[test]
+    fn a_reader_sees_every_durable_change_while_the_store_compacts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = std::sync::Arc::new(StateStore::open_with_boot_id(dir.path(), "b").expect("open"));
+        let durable = std::sync::Arc::new(AtomicU64::new(0));
+        let writer = {
+            let (s, durable) = (s.clone(), durable.clone());
+            std::thread::spawn(move || {
+                for i in 1..=60u64 {
+                    s.update::<_, TestErr>(|st| {
+                        let mut v = spec("counter");
+                        let m = Arc::make_mut(&mut v);
+                        m.context.insert("n".into(), i.to_string());
+                        // Big enough to compact every dozen changes.
+                        m.context.insert("blob".into(), "x".repeat(90 * 1024));
+                        st.volumes.insert("counter".into(), v);
+                        Ok(())
+                    })
+                    .expect("update");
+                    durable.store(i, Ordering::SeqCst);
+                }
+            })
+        };
+        let mut reads = 0;
+        while !writer.is_finished() {
+            let floor = durable.load(Ordering::SeqCst);
+            let st = on_disk(dir.path());
+            let n: u64 = st
+                .volumes
+                .get("counter")
+                .map(|v| v.context["n"].parse().expect("n"))
+                .unwrap_or(0);
+            assert!(n >= floor, "read {n} after {floor} was durable");
+            reads += 1;
+        }
+        writer.join().expect("writer");
+        assert!(s.write_stats().snapshots >= 2, "{:?}", s.write_stats());
+        assert!(reads > 0);
+        assert_eq!(on_disk(dir.path()), s.snapshot());
     }
 }

@@ -603,10 +603,7 @@ fn dev_mode_with_the_plugin_killed_exits_within_its_bound() {
         "log"
     );
     // The release could not happen; it stays recorded in the dev state.
-    let state: Value = serde_json::from_slice(
-        &fs::read(dev_dir.join("state").join("state.json")).expect("dev state file"),
-    )
-    .expect("JSON");
+    let state = state_of_dir(&dev_dir.join("state"));
     assert_eq!(state["allocs"]["a1"]["releasing"], true, "{state:#}");
 }
 
@@ -968,11 +965,10 @@ fn secrets_never_leave_the_state_file() {
     // Only the private state file keeps it.
     let state = String::from_utf8(agent.state_bytes()).expect("utf-8");
     assert!(state.contains(SECRET));
-    let mode = fs::metadata(agent.state_path())
-        .expect("state")
-        .permissions()
-        .mode();
-    assert_eq!(mode & 0o777, 0o600);
+    for path in [agent.state_path(), agent.journal_path()] {
+        let mode = fs::metadata(&path).expect("state").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", path.display());
+    }
 }
 
 // ---- Progress messages -------------------------------------------------------

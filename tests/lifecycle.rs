@@ -218,7 +218,7 @@ fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     assert_eq!(rec.publish_context, publish_context("v", PLUGIN_NODE_ID));
     assert!(!st.allocs["a1"].releasing);
     let claim = full_claim("v", "a1", ClaimMode::Write, AccessMode::SingleNodeWriter);
-    assert_eq!(st.claims, vec![claim.clone()]);
+    assert_eq!(claim_list(&st), vec![claim.clone()]);
     assert_eq!(h.m().claims().list(), vec![claim]);
     assert_eq!(h.claims().claim_calls(), 1);
 
@@ -524,7 +524,7 @@ fn two_allocations_share_one_staging_and_one_attachment() {
     assert_eq!(r2.external_node_id.as_deref(), Some(PLUGIN_NODE_ID));
     assert_eq!(r2.publish_context, publish_context("v", PLUGIN_NODE_ID));
     assert_eq!(
-        st.claims,
+        claim_list(&st),
         vec![
             full_claim(
                 "v",
@@ -803,7 +803,7 @@ fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
         _ => true,
     };
     h.edit_state(|s| {
-        let a = s.allocs.get_mut("a1").expect("a1");
+        let a = s.alloc_mut("a1").expect("a1");
         a.releasing = phase.is_teardown();
         let v = a.volumes.get_mut("data").expect("data");
         v.phase = phase;
@@ -829,7 +829,8 @@ fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
         if !claim_held {
             s.claims.clear();
         }
-        for c in &mut s.claims {
+        for c in s.claims.values_mut() {
+            let c = std::sync::Arc::make_mut(c);
             if matches!(phase, Claiming | ControllerPublishing) {
                 // The attachment is recorded in the claim after the call.
                 c.external_node_id = None;
@@ -1083,7 +1084,7 @@ fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node
     let st = h.state_on_disk();
     assert_eq!(st.allocs["a1"].volumes["data"].phase, Phase::Unpublishing);
     assert_eq!(st.claims.len(), 1);
-    assert_eq!(st.claims[0].state, ClaimState::Releasing);
+    assert_eq!(claim_list(&st)[0].state, ClaimState::Releasing);
 
     // The plugin comes back under another node ID.
     h.replace_plugin(|b| b.node_id("node-b"));
@@ -1158,8 +1159,8 @@ fn one_stuck_volume_does_not_hold_back_the_other_nine() {
     assert_eq!(left, vec!["d9"]);
     assert_eq!(st.allocs["a1"].volumes["d9"].phase, Phase::Unpublishing);
     assert_eq!(st.claims.len(), 1);
-    assert_eq!(st.claims[0].volume_id, "v9");
-    assert_eq!(st.claims[0].state, ClaimState::Releasing);
+    assert_eq!(claim_list(&st)[0].volume_id, "v9");
+    assert_eq!(claim_list(&st)[0].state, ClaimState::Releasing);
     assert_eq!(
         mount_points_under(&h.mount_root),
         sorted(vec![h.staging("v9", SNW), h.target("a1", "v9", SNW)])
@@ -1233,7 +1234,7 @@ fn corrupt_state_file_is_refused_named_and_left_untouched() {
 fn bad_ids_are_refused_before_anything_touches_the_disk() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
-    let state_before = fs::read(h.state_path()).expect("state");
+    let state_before = h.state_bytes();
     let long = "x".repeat(129);
     let bad = [
         "a/b",
@@ -1275,7 +1276,7 @@ fn bad_ids_are_refused_before_anything_touches_the_disk() {
         assert!(matches!(e, ReleaseError::Invalid(_)), "{id:?}: {e}");
         assert!(h.m().deregister_volume(id).is_err(), "{id:?}");
     }
-    assert_eq!(fs::read(h.state_path()).expect("state"), state_before);
+    assert_eq!(h.state_bytes(), state_before);
     assert_eq!(h.tree(), Vec::<String>::new());
     assert_eq!(h.lifecycle_calls(), Vec::<Value>::new());
     assert_eq!(h.claims().claim_calls(), 0);

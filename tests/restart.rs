@@ -47,6 +47,7 @@ scenarios! {
     one_stuck_volume => "10-one-stuck-volume.sh",
     corrupt_state => "11-corrupt-state.sh",
     state_v1 => "12-state-v1.sh",
+    journal => "13-journal.sh",
 }
 
 fn scripts_dir() -> PathBuf {

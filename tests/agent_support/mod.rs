@@ -460,12 +460,23 @@ impl Agent {
         self.config.state_dir.join("state.json")
     }
 
-    pub fn state_bytes(&self) -> Vec<u8> {
-        fs::read(self.state_path()).expect("read the state file")
+    /// `<state_dir>/state.journal`.
+    pub fn journal_path(&self) -> PathBuf {
+        self.config.state_dir.join("state.journal")
     }
 
+    /// The bytes of the snapshot followed by those of the journal: what
+    /// "the state files did not change" compares.
+    pub fn state_bytes(&self) -> Vec<u8> {
+        let mut b = fs::read(self.state_path()).expect("read the state file");
+        b.extend(fs::read(self.journal_path()).expect("read the state journal"));
+        b
+    }
+
+    /// The state as the agent would read it back: the snapshot with the
+    /// journal replayed.
     pub fn state(&self) -> Value {
-        serde_json::from_slice(&self.state_bytes()).expect("the state file is JSON")
+        state_of_dir(&self.config.state_dir)
     }
 
     /// The allocation records of the state file.
@@ -537,4 +548,12 @@ pub fn dir_is_empty(path: &Path) -> bool {
         Err(e) if e.kind() == io::ErrorKind::NotFound => true,
         Err(e) => panic!("read {}: {e}", path.display()),
     }
+}
+
+/// The state of a state directory (snapshot plus journal), as JSON.
+pub fn state_of_dir(dir: &std::path::Path) -> Value {
+    let loaded = claimd::state::load_dir(dir)
+        .expect("the state reads back")
+        .expect("there is a state");
+    serde_json::to_value(&loaded.state).expect("the state serializes")
 }

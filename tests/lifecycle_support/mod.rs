@@ -391,11 +391,20 @@ impl Harness {
         self.state_dir.join(STATE_FILE)
     }
 
-    /// The state file as it is on disk.
+    /// The state as it is on disk: the snapshot with the journal replayed.
     pub fn state_on_disk(&self) -> StateFile {
-        let path = self.state_path();
-        let bytes = fs::read(&path).expect("read the state file");
-        claimd::state::parse_state(&path, &bytes).expect("the state file parses")
+        claimd::state::load_dir(&self.state_dir)
+            .expect("the state on disk reads back")
+            .expect("there is a state on disk")
+            .state
+    }
+
+    /// The bytes of the snapshot and of the journal.
+    pub fn state_bytes(&self) -> (Vec<u8>, Vec<u8>) {
+        (
+            fs::read(self.state_path()).expect("read the snapshot"),
+            fs::read(self.state_dir.join(claimd::journal::JOURNAL_FILE)).expect("read the journal"),
+        )
     }
 
     pub fn register(&self, spec: VolumeSpec) {
@@ -587,4 +596,9 @@ pub fn remove_empty_dirs(dir: &Path) {
         remove_empty_dirs(&e.path());
     }
     fs::remove_dir(dir).unwrap_or_else(|e| panic!("remove {}: {e}", dir.display()));
+}
+
+/// The claims of a state, in key order.
+pub fn claim_list(st: &StateFile) -> Vec<claimd::claims::Claim> {
+    st.claims.values().map(|c| (**c).clone()).collect()
 }

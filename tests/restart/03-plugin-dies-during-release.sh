@@ -19,16 +19,16 @@ setup_agent "$T/agent" "[$(plugin_entry node node), $(plugin_entry ctrl controll
 restart_agent
 register_volumes "$(volume_json v1)"
 cli_ok alloc mount a1 --volume data=v1
-target=$(jq -r '.allocs.a1.volumes.data.target_path' "$STATE_FILE")
+target=$(state_jq -r '.allocs.a1.volumes.data.target_path')
 assert_eq "volume calls of the mount" "ControllerPublishVolume OK
 NodeStageVolume OK
 NodePublishVolume OK" "$(volume_calls_since 0)"
 assert_eq "node ID of ControllerPublishVolume" node-a \
 	"$(calls_since_json 0 | jq -r '.[] | select(.method == "ControllerPublishVolume") | .node_id')"
 assert_eq "external node ID recorded in the allocation" node-a \
-	"$(jq -r '.allocs.a1.volumes.data.external_node_id' "$STATE_FILE")"
+	"$(state_jq -r '.allocs.a1.volumes.data.external_node_id')"
 assert_eq "external node ID recorded in the claim" node-a \
-	"$(jq -r '.claims[0].external_node_id' "$STATE_FILE")"
+	"$(state_jq -r '.claims[0].external_node_id')"
 
 log "release; the node plugin exits on NodeUnpublishVolume"
 set_faults '{"rules":[{"method":"NodeUnpublishVolume","action":"exit","count":1}]}'

@@ -28,11 +28,14 @@ kill_plugin csi
 unmount_under "$MOUNT_ROOT"
 assert_eq "mounts under the mount root after the reboot" "" "$(mounts_left)"
 booted=$(cat /proc/sys/kernel/random/boot_id)
+# A graceful stop folds the journal into the snapshot: state.json is the
+# whole state, and can be edited while the agent is stopped.
+assert_eq "journal bytes after a graceful stop" 0 "$(stat -c %s "$STATE_DIR/state.journal")"
 jq -c '.boot_id = "00000000-0000-4000-8000-000000000000"' "$STATE_FILE" >"$STATE_FILE.new"
 cat "$STATE_FILE.new" >"$STATE_FILE"
 rm "$STATE_FILE.new"
 assert_eq "boot ID recorded in the state file" 00000000-0000-4000-8000-000000000000 \
-	"$(jq -r .boot_id "$STATE_FILE")"
+	"$(state_jq -r .boot_id)"
 
 mark=$(calls_mark)
 start_plugin csi
@@ -44,7 +47,7 @@ assert_mounts_match_state
 assert_eq "mounts after the reboot" "$mounts_before" "$(mounts_left)"
 assert_eq "claims after the reboot" "$claims_before" "$(state_claims)"
 assert_eq "allocation records after the reboot" "$allocs_before" "$(state_allocs)"
-assert_eq "boot ID recorded after the restore" "$booted" "$(jq -r .boot_id "$STATE_FILE")"
+assert_eq "boot ID recorded after the restore" "$booted" "$(state_jq -r .boot_id)"
 for v in v1 v2; do
 	assert_eq "calls for volume $v after the reboot" "NodeStageVolume OK
 NodePublishVolume OK" "$(volume_calls_since "$mark" "ext-$v")"

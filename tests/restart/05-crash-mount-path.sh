@@ -57,7 +57,7 @@ for point in "${points[@]}"; do
 	assert_eq "[$point] mounts under the mount root" "$(printf '%s\n' "$staging" "$target" | sort)" \
 		"$(mounts_left)"
 	assert_eq "[$point] claims" "[{\"alloc_id\":\"a1\",\"state\":\"taken\",\"volume_id\":\"$vol\"}]" \
-		"$(jq -S -c '[.claims[] | {volume_id, alloc_id, state}]' "$STATE_FILE")"
+		"$(state_jq -S -c '[.claims[] | {volume_id, alloc_id, state}]')"
 	assert_eq "[$point] volumes in the state file" "a1 data published" "$(state_phases)"
 	assert_eq "[$point] calls for the volume, repeats folded" \
 		"ControllerPublishVolume OK

@@ -94,7 +94,7 @@ NodePublishVolume OK" "$(volume_calls_since 0 "$ext")"
 	assert_eq "[shared, $point] calls of the first release" "NodeUnpublishVolume OK" \
 		"$(volume_calls_since "$mark" "$ext")"
 	assert_eq "[shared, $point] claims after the first release" '["a2"]' \
-		"$(jq -c '[.claims[].alloc_id]' "$STATE_FILE")"
+		"$(state_jq -c '[.claims[].alloc_id]')"
 	stop_agent
 
 	log "[shared, $point] release the second with the agent set to die at $point"

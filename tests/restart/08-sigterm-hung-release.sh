@@ -13,7 +13,7 @@ setup_agent "$T/agent" "[$(plugin_entry csi monolith)]"
 restart_agent
 register_volumes "$(volume_json v1)"
 cli_ok alloc mount a1 --volume data=v1
-target=$(jq -r '.allocs.a1.volumes.data.target_path' "$STATE_FILE")
+target=$(state_jq -r '.allocs.a1.volumes.data.target_path')
 
 log "release with NodeUnpublishVolume hanging"
 set_faults '{"rules":[{"method":"NodeUnpublishVolume","action":"hang"}]}'
@@ -25,7 +25,7 @@ wait_for 20 "the plugin to hang in NodeUnpublishVolume" \
 stop_agent $((CSI_CALL_TIMEOUT_S * 1000 + 1500))
 log "the agent stopped ${AGENT_STOP_MS} ms after SIGTERM (csi_call_timeout ${CSI_CALL_TIMEOUT_S}s)"
 assert_eq "phase recorded when the agent stopped" "a1 data unpublishing" "$(state_phases)"
-assert_eq "releasing flag recorded" true "$(jq '.allocs.a1.releasing' "$STATE_FILE")"
+assert_eq "releasing flag recorded" true "$(state_jq '.allocs.a1.releasing')"
 assert_eq "mounts on the target after the stop" 1 "$(mount_count "$target")"
 
 log "clear the fault and start again: the release resumes"

@@ -20,8 +20,8 @@ for i in $(seq 0 $((N - 1))); do args+=(--volume "d$i=v$i"); done
 cli_ok alloc mount a1 "${args[@]}"
 assert_mounts_match_state
 assert_eq "mounts" $((2 * N)) "$(mounts_left | wc -l)"
-stuck_target=$(jq -r ".allocs.a1.volumes.d$STUCK.target_path" "$STATE_FILE")
-stuck_staging=$(jq -r ".allocs.a1.volumes.d$STUCK.staging_path" "$STATE_FILE")
+stuck_target=$(state_jq -r ".allocs.a1.volumes.d$STUCK.target_path")
+stuck_staging=$(state_jq -r ".allocs.a1.volumes.d$STUCK.staging_path")
 
 log "release with NodeUnpublishVolume failing for v$STUCK"
 set_faults "{\"rules\":[{\"method\":\"NodeUnpublishVolume\",\"volume_id\":\"ext-v$STUCK\",\"action\":\"fail\",\"code\":\"UNAVAILABLE\",\"message\":\"injected: v$STUCK is stuck\"}]}"
@@ -49,7 +49,7 @@ assert_contains "release error in alloc status" \
 	"injected: v$STUCK is stuck"
 assert_eq "mounts while v$STUCK is stuck" "$(printf '%s\n' "$stuck_staging" "$stuck_target" | sort)" \
 	"$(mounts_left)"
-assert_eq "claims while v$STUCK is stuck" "v$STUCK" "$(jq -r '.claims[].volume_id' "$STATE_FILE")"
+assert_eq "claims while v$STUCK is stuck" "v$STUCK" "$(state_jq -r '.claims[].volume_id')"
 assert_eq "records while v$STUCK is stuck" "a1 d$STUCK unpublishing" "$(state_phases)"
 for i in $(seq 0 $((N - 1))); do
 	[ "$i" = "$STUCK" ] && continue

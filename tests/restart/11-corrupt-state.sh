@@ -34,6 +34,7 @@ for case in truncated empty garbage future; do
 	cmp "$T/$case.json" "$STATE_FILE" || fail "[$case] the state file was changed"
 	assert_eq "[$case] sha256 of the state file" "$sum_before" "$(sha256sum <"$STATE_FILE")"
 	assert_eq "[$case] files in the state directory" "claimd.lock
+state.journal
 state.json" "$(ls "$STATE_DIR")"
 	cli plugin list
 	assert_eq "[$case] exit code of the CLI (agent not reachable)" 3 "$CLI_RC"

@@ -40,8 +40,8 @@ chmod 600 "$STATE_FILE"
 assert_eq "strings still naming $FIXTURE_ROOT" "" "$(grep -o "${FIXTURE_ROOT}[^\"]*" "$STATE_FILE" || true)"
 claims_before=$(state_claims)
 allocs_before=$(state_allocs)
-volumes=$(jq '[.allocs[].volumes[]] | length' "$STATE_FILE")
-stagings=$(jq '[.allocs[].volumes[] | .staging_path] | unique | length' "$STATE_FILE")
+volumes=$(state_jq '[.allocs[].volumes[]] | length')
+stagings=$(state_jq '[.allocs[].volumes[] | .staging_path] | unique | length')
 
 mark=$(calls_mark)
 restart_agent
@@ -54,7 +54,7 @@ assert_mounts_match_state
 assert_eq "mounts (targets + staging paths)" $((volumes + stagings)) "$(mounts_left | wc -l)"
 assert_eq "claims after the start" "$claims_before" "$(state_claims)"
 assert_eq "allocation records after the start" "$allocs_before" "$(state_allocs)"
-assert_eq "schema version written back" 1 "$(jq .schema_version "$STATE_FILE")"
+assert_eq "schema version written back" 1 "$(state_jq .schema_version)"
 assert_eq "NodeStageVolume calls" "$stagings" "$(count_calls NodeStageVolume "" OK "$mark")"
 assert_eq "NodePublishVolume calls" "$volumes" "$(count_calls NodePublishVolume "" OK "$mark")"
 assert_eq "other volume calls" "" \

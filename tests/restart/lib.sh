@@ -246,8 +246,8 @@ _diagnostics() {
 		echo "---- mounts under $T ----"
 		mounts_under "$T"
 		if [ -n "${STATE_FILE:-}" ] && [ -f "$STATE_FILE" ]; then
-			echo "---- $STATE_FILE (first 3000 bytes) ----"
-			head -c 3000 "$STATE_FILE"
+			echo "---- claimd state of $(dirname "$STATE_FILE") (first 3000 bytes) ----"
+			state_json 2>&1 | head -c 3000
 			echo
 		fi
 		echo "======== end of diagnostics ========"
@@ -457,6 +457,7 @@ failpoints() {
 failpoint_kind() {
 	case $1 in
 	restore-*) echo restore ;;
+	state-*) echo state ;;
 	release-* | *unpublish* | *unstage*) echo release ;;
 	*) echo mount ;;
 	esac
@@ -510,18 +511,31 @@ alloc_phases() {
 
 # ---- the state file -------------------------------------------------------------
 
-state_claims() { jq -S '.claims' "$STATE_FILE"; }
-state_allocs() { jq -S '.allocs' "$STATE_FILE"; }
-state_alloc_ids() { jq -r '.allocs | keys[]' "$STATE_FILE"; }
-state_claim_count() { jq '.claims | length' "$STATE_FILE"; }
+# state_json: the recorded state (the snapshot with the journal replayed,
+# secrets redacted), read the way the agent reads it, by `claimd state`.
+state_json() { "$CLAIMD_BIN" state --state-dir "$(dirname "$STATE_FILE")"; }
+# state_jq JQ-ARGS...: jq over state_json.
+state_jq() {
+	local out
+	out=$(state_json) || {
+		echo "claimd state failed" >&2
+		return 1
+	}
+	jq "$@" <<<"$out"
+}
+
+state_claims() { state_jq -S '.claims'; }
+state_allocs() { state_jq -S '.allocs'; }
+state_alloc_ids() { state_jq -r '.allocs | keys[]'; }
+state_claim_count() { state_jq '.claims | length'; }
 # "alloc alias phase" lines.
 state_phases() {
-	jq -r '.allocs[] | .id as $a | .volumes[] | "\($a) \(.alias) \(.phase)"' "$STATE_FILE"
+	state_jq -r '.allocs[] | .id as $a | .volumes[] | "\($a) \(.alias) \(.phase)"'
 }
 
 # Whether the state file holds neither allocations nor claims.
 state_empty() {
-	[ "$(jq '(.allocs | length) + (.claims | length)' "$STATE_FILE")" = 0 ]
+	[ "$(state_jq '(.allocs | length) + (.claims | length)')" = 0 ]
 }
 
 # ---- the call log ------------------------------------------------------------------
@@ -554,9 +568,8 @@ count_calls() {
 # The mounts the state file implies, sorted: each published volume's target
 # path and the staging path it holds, each once.
 state_expected_mounts() {
-	jq -r '[.allocs[].volumes[] | select(.phase == "published")
-	        | .target_path, (select(.holds_staging) | .staging_path)] | unique[]' \
-		"$STATE_FILE" | sort
+	state_jq -r '[.allocs[].volumes[] | select(.phase == "published")
+	        | .target_path, (select(.holds_staging) | .staging_path)] | unique[]' | sort
 }
 
 # assert_mounts_match_state: the mount table under the mount root is
@@ -578,8 +591,8 @@ dirs_left() {
 assert_fully_released() {
 	assert_eq "mounts under $MOUNT_ROOT" "" "$(mounts_left)"
 	assert_eq "directories left under $MOUNT_ROOT/per-alloc and staging" "" "$(dirs_left)"
-	assert_eq "claims in the state file" "[]" "$(jq -c '.claims' "$STATE_FILE")"
-	assert_eq "allocations in the state file" "{}" "$(jq -c '.allocs' "$STATE_FILE")"
+	assert_eq "claims in the state file" "[]" "$(state_jq -c '.claims')"
+	assert_eq "allocations in the state file" "{}" "$(state_jq -c '.allocs')"
 }
 
 # calls_since_json MARK [EXTERNAL_VOLUME_ID]: the volume calls after MARK,

@@ -1,0 +1,360 @@
+//! The state journal: what changed, appended as one line per durable write.
+//!
+//! `state.json` is a snapshot; `state.journal` holds, line by line, the
+//! changes made since that snapshot. A line is
+//!
+//! ```text
+//! <crc32c of the JSON, 8 hex digits> <JSON of a Delta>\n
+//! ```
+//!
+//! and a `Delta` carries whole records: the new value of every volume,
+//! claim and allocation record that changed (or its removal). Replaying the
+//! lines in order over the snapshot gives the state; replaying them over a
+//! later snapshot that already contains them changes nothing, which keeps a
+//! crash in the middle of a compaction harmless.
+//!
+//! Only the last line can be torn by a crash (each durable write appends one
+//! line and waits for it to reach the disk before anything depends on it),
+//! so a bad last line is dropped; a bad line with anything after it is
+//! corruption.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::claims::Claim;
+use crate::state::{AllocRecord, ClaimKey, StateFile};
+use crate::volumes::VolumeSpec;
+
+pub const JOURNAL_FILE: &str = "state.journal";
+
+/// The records that changed between two states.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Delta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    /// Volume ID -> new spec, or null when deregistered.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub volumes: BTreeMap<String, Option<Arc<VolumeSpec>>>,
+    /// Claims taken or changed (whole claims).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<Arc<Claim>>,
+    /// Claims freed: [volume ID, allocation ID].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims_freed: Vec<ClaimKey>,
+    /// Allocation ID -> new record, or null when dropped.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub allocs: BTreeMap<String, Option<Arc<AllocRecord>>>,
+}
+
+/// Walks two sorted maps side by side and reports every key whose value
+/// differs: `Some(new)` for added or changed, `None` for removed. Shared
+/// records (the same `Arc`) are skipped without comparing them.
+fn diff_maps<K: Ord + Clone, V: PartialEq>(
+    old: &BTreeMap<K, Arc<V>>,
+    new: &BTreeMap<K, Arc<V>>,
+    mut changed: impl FnMut(&K, Option<&Arc<V>>),
+) {
+    let mut o = old.iter().peekable();
+    let mut n = new.iter().peekable();
+    loop {
+        match (o.peek(), n.peek()) {
+            (None, None) => return,
+            (Some((ok, _)), None) => {
+                changed(ok, None);
+                o.next();
+            }
+            (None, Some((nk, nv))) => {
+                changed(nk, Some(nv));
+                n.next();
+            }
+            (Some((ok, ov)), Some((nk, nv))) => match ok.cmp(nk) {
+                std::cmp::Ordering::Less => {
+                    changed(ok, None);
+                    o.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    changed(nk, Some(nv));
+                    n.next();
+                }
+                std::cmp::Ordering::Equal => {
+                    if !Arc::ptr_eq(ov, nv) && ov != nv {
+                        changed(nk, Some(nv));
+                    }
+                    o.next();
+                    n.next();
+                }
+            },
+        }
+    }
+}
+
+impl Delta {
+    /// What turns `old` into `new`.
+    pub fn between(old: &StateFile, new: &StateFile) -> Delta {
+        let mut d = Delta {
+            boot_id: (old.boot_id != new.boot_id).then(|| new.boot_id.clone()),
+            ..Delta::default()
+        };
+        diff_maps(&old.volumes, &new.volumes, |k, v| {
+            d.volumes.insert(k.clone(), v.cloned());
+        });
+        diff_maps(&old.claims, &new.claims, |k, v| match v {
+            Some(c) => d.claims.push(c.clone()),
+            None => d.claims_freed.push(k.clone()),
+        });
+        diff_maps(&old.allocs, &new.allocs, |k, v| {
+            d.allocs.insert(k.clone(), v.cloned());
+        });
+        d
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.boot_id.is_none()
+            && self.volumes.is_empty()
+            && self.claims.is_empty()
+            && self.claims_freed.is_empty()
+            && self.allocs.is_empty()
+    }
+
+    pub fn apply(self, s: &mut StateFile) {
+        if let Some(b) = self.boot_id {
+            s.boot_id = b;
+        }
+        for (k, v) in self.volumes {
+            match v {
+                Some(v) => s.volumes.insert(k, v),
+                None => s.volumes.remove(&k),
+            };
+        }
+        for k in self.claims_freed {
+            s.claims.remove(&k);
+        }
+        for c in self.claims {
+            s.claims
+                .insert((c.volume_id.clone(), c.alloc_id.clone()), c);
+        }
+        for (k, v) in self.allocs {
+            match v {
+                Some(v) => s.allocs.insert(k, v),
+                None => s.allocs.remove(&k),
+            };
+        }
+    }
+}
+
+const fn crc32c_table() -> [u32; 256] {
+    let mut t = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut k = 0;
+        while k < 8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0x82F6_3B78
+            } else {
+                c >> 1
+            };
+            k += 1;
+        }
+        t[i] = c;
+        i += 1;
+    }
+    t
+}
+
+const CRC32C: [u32; 256] = crc32c_table();
+
+/// CRC-32C (Castagnoli), as used by ext4 and iSCSI.
+pub fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in data {
+        crc = CRC32C[((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
+    }
+    !crc
+}
+
+/// One journal line, newline included.
+pub fn encode(delta: &Delta) -> serde_json::Result<Vec<u8>> {
+    let json = serde_json::to_vec(delta)?;
+    let mut line = format!("{:08x} ", crc32c(&json)).into_bytes();
+    line.reserve(json.len() + 1);
+    line.extend_from_slice(&json);
+    line.push(b'\n');
+    Ok(line)
+}
+
+fn decode(line: &[u8]) -> Result<Delta, String> {
+    if line.len() < 9 || line[8] != b' ' {
+        return Err("no checksum".to_string());
+    }
+    let want = std::str::from_utf8(&line[..8])
+        .ok()
+        .and_then(|h| u32::from_str_radix(h, 16).ok())
+        .ok_or("the checksum is not hexadecimal")?;
+    let json = &line[9..];
+    let got = crc32c(json);
+    if got != want {
+        return Err(format!(
+            "checksum mismatch ({got:08x}, recorded {want:08x})"
+        ));
+    }
+    serde_json::from_slice(json)
+        .map_err(|e| format!("checksum matches but the change does not parse: {e}"))
+}
+
+/// A journal read back.
+#[derive(Debug, Default)]
+pub struct Replay {
+    pub deltas: Vec<Delta>,
+    /// The last line was incomplete or damaged (a write cut off by a crash)
+    /// and was left out.
+    pub torn_tail: bool,
+}
+
+/// A damaged line that is not the last one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Corruption {
+    /// 1-based.
+    pub line: usize,
+    pub reason: String,
+}
+
+/// Parses a whole journal. A damaged or unterminated last line is a torn
+/// write and is left out; a damaged line followed by more data is
+/// corruption.
+pub fn parse(bytes: &[u8]) -> Result<Replay, Corruption> {
+    let mut r = Replay::default();
+    let mut pos = 0;
+    let mut line_no = 0;
+    while pos < bytes.len() {
+        line_no += 1;
+        let (line, next, terminated) = match bytes[pos..].iter().position(|&b| b == b'\n') {
+            Some(e) => (&bytes[pos..pos + e], pos + e + 1, true),
+            None => (&bytes[pos..], bytes.len(), false),
+        };
+        let last = next >= bytes.len();
+        let decoded = if terminated {
+            decode(line)
+        } else {
+            Err("the line is not terminated".to_string())
+        };
+        match decoded {
+            Ok(d) => r.deltas.push(d),
+            Err(_) if last => {
+                r.torn_tail = true;
+                break;
+            }
+            Err(reason) => {
+                return Err(Corruption {
+                    line: line_no,
+                    reason,
+                })
+            }
+        }
+        pos = next;
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{AllocVolume, Phase};
+
+    #[test]
+    fn crc32c_check_value() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(b""), 0);
+    }
+
+    fn alloc(id: &str, phase: Phase) -> Arc<AllocRecord> {
+        let v: AllocVolume = serde_json::from_value(serde_json::json!({
+            "alias": "data", "volume_id": "v", "plugin_id": "p", "external_volume_id": "x",
+            "usage": {"read_only": false, "access_mode": "single-node-writer", "attachment": "file-system"},
+            "target_path": format!("/m/{id}"), "phase": phase,
+        }))
+        .expect("volume record");
+        Arc::new(AllocRecord {
+            id: id.into(),
+            releasing: false,
+            volumes: [("data".to_string(), v)].into(),
+        })
+    }
+
+    #[test]
+    fn between_then_apply_reproduces_the_new_state() {
+        let mut old = StateFile::new("b1");
+        old.allocs
+            .insert("a1".into(), alloc("a1", Phase::Published));
+        old.allocs.insert("a2".into(), alloc("a2", Phase::Staging));
+        old.allocs
+            .insert("a3".into(), alloc("a3", Phase::Published));
+        let mut new = old.clone();
+        new.boot_id = "b2".into();
+        new.allocs.remove("a1");
+        new.volume_mut("a2", "data").expect("a2").phase = Phase::Publishing;
+        new.allocs.insert("a4".into(), alloc("a4", Phase::Claiming));
+        // The same value in a new Arc is not a change.
+        new.allocs
+            .insert("a3".into(), alloc("a3", Phase::Published));
+        let d = Delta::between(&old, &new);
+        assert_eq!(d.boot_id.as_deref(), Some("b2"));
+        assert_eq!(
+            d.allocs.keys().collect::<Vec<_>>(),
+            ["a1", "a2", "a4"],
+            "{d:?}"
+        );
+        assert!(d.allocs["a1"].is_none());
+        let line = encode(&d).expect("encode");
+        let mut replayed = old.clone();
+        for d in parse(&line).expect("parse").deltas {
+            d.apply(&mut replayed);
+        }
+        assert_eq!(replayed, new);
+        // Replaying over the newer state changes nothing.
+        let mut again = new.clone();
+        for d in parse(&line).expect("parse").deltas {
+            d.apply(&mut again);
+        }
+        assert_eq!(again, new);
+        assert!(Delta::between(&new, &new.clone()).is_empty());
+    }
+
+    #[test]
+    fn torn_tail_is_dropped_and_damage_before_the_end_is_corruption() {
+        let mut s = StateFile::new("b");
+        let mut lines = Vec::new();
+        for i in 0..3 {
+            let before = s.clone();
+            s.allocs
+                .insert(format!("a{i}"), alloc(&format!("a{i}"), Phase::Published));
+            lines.push(encode(&Delta::between(&before, &s)).expect("encode"));
+        }
+        let all = lines.concat();
+        assert_eq!(parse(&all).expect("whole").deltas.len(), 3);
+        // Every cut of the last line is a torn tail.
+        let two = lines[0].len() + lines[1].len();
+        for cut in two..all.len() {
+            let r = parse(&all[..cut]).expect("torn tail");
+            assert_eq!(r.deltas.len(), 2, "cut at {cut}");
+            assert_eq!(r.torn_tail, cut > two, "cut at {cut}");
+        }
+        // Zeros after the last good line (a size update without its data).
+        let mut zeros = lines[..2].concat();
+        zeros.extend_from_slice(&[0u8; 100]);
+        assert!(parse(&zeros).expect("zeros").torn_tail);
+        // A flipped byte in the middle line is corruption, named by line.
+        let mut bad = all.clone();
+        bad[lines[0].len() + 20] ^= 0x01;
+        let e = parse(&bad).expect_err("corrupt");
+        assert_eq!(e.line, 2);
+        assert!(e.reason.contains("checksum"), "{e:?}");
+        // The same damage in the last line is a torn write.
+        let mut bad_last = all.clone();
+        bad_last[two + 20] ^= 0x01;
+        assert!(parse(&bad_last).expect("torn").torn_tail);
+    }
+}
