@@ -137,6 +137,8 @@ mod tests {
         let mut listed: Vec<String> = FAILPOINTS.iter().map(|s| s.to_string()).collect();
         listed.sort();
         found.sort();
+        // A point may be reached from two places (the same durable state).
+        found.dedup();
         assert_eq!(found, listed, "FAILPOINTS and the hit() calls differ");
     }
 }

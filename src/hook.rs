@@ -6,7 +6,7 @@
 //! sends the CSI call. No lock of the state is held across a call. Backoff
 //! waits happen outside the volume lock.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -387,8 +387,15 @@ impl Manager {
     ) -> Result<Vec<MountedVolume>, MountError> {
         validate_requests(alloc_id, reqs)?;
         let _guard = self.begin_mount(alloc_id)?;
+        let plans = self.ready_plans(reqs);
+        let paths = &self.inner.paths;
+        let mut claimed_at_once = false;
         // Resolve and record every volume in phase `claiming`, in one
-        // durable write, before any claim or call.
+        // durable write, before any claim or call. With the claim store in
+        // the state file and the volume's plugins ready, the same write
+        // takes the claim and enters the first in-flight phase (what
+        // `take_claim` would write next); a claim that cannot be granted
+        // now is left to `take_claim`, which retries and reports it.
         let created = self.inner.store.update(|s| -> Result<bool, MountError> {
             let mut wanted = BTreeMap::new();
             for r in reqs {
@@ -423,6 +430,16 @@ impl Manager {
                 }
                 return Ok(false);
             }
+            for rec in wanted.values_mut() {
+                let Some(plan) = plans.get(&rec.plugin_id) else {
+                    continue;
+                };
+                let req = self.claim_request(alloc_id, rec);
+                if claims::claim_in_state(s, &req).is_ok() {
+                    plan.enter(rec, paths);
+                    claimed_at_once = true;
+                }
+            }
             s.allocs.insert(
                 alloc_id.to_string(),
                 Arc::new(AllocRecord {
@@ -441,6 +458,11 @@ impl Manager {
                 .releases
                 .retain(|(a, _), _| a != alloc_id);
             failpoints::hit("mount-after-record");
+            if claimed_at_once {
+                // The claim and the first phase are durable already.
+                failpoints::hit("mount-after-claim");
+                failpoints::hit("mount-after-first-phase");
+            }
             log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
         }
         let deadline = Instant::now() + self.inner.opts.mount_retry_deadline;
@@ -672,8 +694,8 @@ impl Manager {
         Ok(publishes.then_some(c))
     }
 
-    fn take_claim(&self, alloc_id: &str, rec: &AllocVolume, plan: &Plan) -> Result<(), MountError> {
-        let req = ClaimRequest {
+    fn claim_request(&self, alloc_id: &str, rec: &AllocVolume) -> ClaimRequest {
+        ClaimRequest {
             volume_id: rec.volume_id.clone(),
             alloc_id: alloc_id.to_string(),
             node: self.inner.opts.node_name.clone(),
@@ -683,7 +705,47 @@ impl Manager {
                 ClaimMode::Write
             },
             access_mode: rec.usage.access_mode,
-        };
+        }
+    }
+
+    /// Plans for the plugins of `reqs` that are ready now (node side, and
+    /// controller side when the plugin has one), when claims live in the
+    /// state file: what lets `mount` claim in its first write. Plugins not
+    /// ready are left out; their volumes take the waiting path.
+    fn ready_plans(&self, reqs: &[VolumeRequest]) -> HashMap<String, Plan> {
+        let mut plans = HashMap::new();
+        if !self.inner.claims.in_state_file() {
+            return plans;
+        }
+        let plugins: BTreeSet<String> = self.inner.store.read(|s| {
+            reqs.iter()
+                .filter_map(|r| s.volumes.get(&r.volume_id))
+                .map(|v| v.plugin_id.clone())
+                .collect()
+        });
+        let reg = &self.inner.registry;
+        for p in plugins {
+            let Some(node) = reg.get_ready(&p, PluginKind::Node) else {
+                continue;
+            };
+            let controller = if reg.serves(&p, PluginKind::Controller) == Some(false) {
+                false
+            } else {
+                match reg.get_ready(&p, PluginKind::Controller) {
+                    Some(c) => c
+                        .controller_capabilities
+                        .as_ref()
+                        .is_some_and(|caps| caps.publish_unpublish_volume),
+                    None => continue,
+                }
+            };
+            plans.insert(p, Plan::new(&node, controller));
+        }
+        plans
+    }
+
+    fn take_claim(&self, alloc_id: &str, rec: &AllocVolume, plan: &Plan) -> Result<(), MountError> {
+        let req = self.claim_request(alloc_id, rec);
         let deadline = Instant::now() + self.inner.opts.claim_retry_deadline;
         let mut backoff = Backoff::new(self.inner.opts.claim_backoff, deadline);
         loop {
@@ -968,13 +1030,56 @@ impl Manager {
     pub fn release(&self, alloc_id: &str) -> Result<ReleaseStart, ReleaseError> {
         crate::ids::check_id("allocation", alloc_id)
             .map_err(|e| ReleaseError::Invalid(SpecError::Id(e)))?;
+        // With the claim store in the state file, a published volume whose
+        // lock is free takes its first step down (claim marked releasing,
+        // phase `unpublishing`) in the write that marks the release; its
+        // worker then starts with NodeUnpublish. A volume whose lock is
+        // taken (a mount or restore step in flight) is left to its worker.
+        let embedded = self.inner.claims.in_state_file();
+        let volumes: Vec<(String, String)> = if embedded {
+            self.inner.store.read(|s| {
+                s.allocs
+                    .get(alloc_id)
+                    .map(|a| {
+                        a.volumes
+                            .values()
+                            .filter(|v| v.phase == Phase::Published)
+                            .map(|v| (v.alias.clone(), v.volume_id.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            })
+        } else {
+            Vec::new()
+        };
+        let locks: Vec<_> = volumes
+            .iter()
+            .map(|(alias, volume_id)| (alias, volume_id, self.inner.locks.get(volume_id)))
+            .collect();
+        let held: Vec<_> = locks
+            .iter()
+            .filter_map(|(alias, volume_id, l)| l.try_lock().map(|g| (*alias, *volume_id, g)))
+            .collect();
         let aliases = self.inner.store.update(|s| -> Result<_, ReleaseError> {
+            if !s.allocs.contains_key(alloc_id) {
+                return Ok(None);
+            }
+            for (alias, volume_id, _guard) in &held {
+                if s.volume(alloc_id, alias).map(|v| v.phase) != Some(Phase::Published) {
+                    continue;
+                }
+                claims::mark_releasing_in_state(s, volume_id, alloc_id);
+                if let Some(v) = s.volume_mut(alloc_id, alias) {
+                    v.phase = Phase::Unpublishing;
+                }
+            }
             let Some(a) = s.alloc_mut(alloc_id) else {
                 return Ok(None);
             };
             a.releasing = true;
             Ok(Some(a.volumes.keys().cloned().collect::<Vec<_>>()))
         })?;
+        drop(held);
         let Some(aliases) = aliases else {
             return Ok(ReleaseStart::NotFound);
         };
