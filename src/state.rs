@@ -36,7 +36,14 @@ use crate::claims::Claim;
 use crate::journal::{self, Delta, JOURNAL_FILE};
 use crate::volumes::{Usage, VolumeSpec};
 
-pub const SCHEMA_VERSION: u32 = 1;
+/// The schema this build writes. 2: a snapshot plus a journal (`state.json`
+/// alone is not the whole state while an agent runs or after a crash, so a
+/// claimd that knows only schema 1 must refuse it rather than miss the
+/// journal). 1: `state.json` alone, rewritten on every change; read and
+/// converted at start.
+pub const SCHEMA_VERSION: u32 = 2;
+/// Schemas this build reads.
+pub const READABLE_SCHEMAS: &[u32] = &[1, 2];
 pub const STATE_FILE: &str = "state.json";
 pub const LOCK_FILE: &str = "claimd.lock";
 pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
@@ -348,7 +355,7 @@ impl fmt::Display for StateError {
             ),
             StateError::UnknownVersion { path, found } => write!(
                 f,
-                "state file {} has schema version {found}, which this claimd (schema {SCHEMA_VERSION}) does not know; refusing to start and leaving it untouched",
+                "state file {} has schema version {found}, which this claimd (schema {SCHEMA_VERSION}, reads {READABLE_SCHEMAS:?}) does not know; refusing to start and leaving it untouched",
                 path.display()
             ),
             StateError::Write { path, .. } => {
@@ -980,16 +987,24 @@ pub fn parse_state(path: &Path, bytes: &[u8]) -> Result<StateFile, StateError> {
         path: path.to_path_buf(),
         source,
     })?;
-    if v.schema_version != serde_json::json!(SCHEMA_VERSION) {
+    let known = v
+        .schema_version
+        .as_u64()
+        .is_some_and(|n| READABLE_SCHEMAS.iter().any(|&k| u64::from(k) == n));
+    if !known {
         return Err(StateError::UnknownVersion {
             path: path.to_path_buf(),
             found: v.schema_version.to_string(),
         });
     }
-    serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt {
-        path: path.to_path_buf(),
-        source,
-    })
+    let mut state: StateFile =
+        serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    // A schema 1 file reads the same; it is written back as this schema.
+    state.schema_version = SCHEMA_VERSION;
+    Ok(state)
 }
 
 #[cfg(test)]
@@ -1396,5 +1411,23 @@ mod tests {
         assert!(s.write_stats().snapshots >= 2, "{:?}", s.write_stats());
         assert!(reads > 0);
         assert_eq!(on_disk(dir.path()), s.snapshot());
+    }
+
+    #[test]
+    fn a_schema_1_file_is_read_and_written_back_as_schema_2() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(STATE_FILE);
+        std::fs::write(
+            &path,
+            br#"{"schema_version":1,"boot_id":"b","claims":[{"volume_id":"v","alloc_id":"a","node":"n","mode":"write","access_mode":"single-node-writer","state":"taken"}]}"#,
+        )
+        .expect("write");
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        assert_eq!(s.read(|st| st.claims.len()), 1);
+        let on_disk = std::fs::read(&path).expect("read");
+        let v: serde_json::Value = serde_json::from_slice(&on_disk).expect("json");
+        assert_eq!(v["schema_version"], 2);
+        assert_eq!(v["claims"][0]["alloc_id"], "a");
+        assert!(s.journal_path().exists());
     }
 }

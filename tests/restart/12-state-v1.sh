@@ -54,7 +54,8 @@ assert_mounts_match_state
 assert_eq "mounts (targets + staging paths)" $((volumes + stagings)) "$(mounts_left | wc -l)"
 assert_eq "claims after the start" "$claims_before" "$(state_claims)"
 assert_eq "allocation records after the start" "$allocs_before" "$(state_allocs)"
-assert_eq "schema version written back" 1 "$(state_jq .schema_version)"
+assert_eq "schema version written back (2: snapshot plus journal)" 2 "$(state_jq .schema_version)"
+assert_eq "schema version of the snapshot on disk" 2 "$(jq .schema_version "$STATE_FILE")"
 assert_eq "NodeStageVolume calls" "$stagings" "$(count_calls NodeStageVolume "" OK "$mark")"
 assert_eq "NodePublishVolume calls" "$volumes" "$(count_calls NodePublishVolume "" OK "$mark")"
 assert_eq "other volume calls" "" \
