@@ -1248,14 +1248,26 @@ impl Manager {
                     Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
                 }
                 failpoints::hit("after-node-unpublish");
-                if MountTable::read().is_ok_and(|t| t.is_mount_point(&rec.target_path)) {
-                    return Step::Retry(
-                        format!(
-                            "NodeUnpublishVolume succeeded but {} is still mounted",
-                            rec.target_path.display()
-                        ),
-                        None,
-                    );
+                match crate::mounts::is_mount_point(&rec.target_path) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        return Step::Retry(
+                            format!(
+                                "NodeUnpublishVolume succeeded but {} is still mounted",
+                                rec.target_path.display()
+                            ),
+                            None,
+                        )
+                    }
+                    Err(e) => {
+                        return Step::Retry(
+                            format!(
+                                "cannot check that {} is unmounted: {e}",
+                                rec.target_path.display()
+                            ),
+                            None,
+                        )
+                    }
                 }
                 // The plugin removes the target; the agent removes the
                 // parents it created, when empty.
@@ -1282,14 +1294,26 @@ impl Manager {
                         Err(e) => return Step::Retry(crate::error_chain(&e), Some(e)),
                     }
                     failpoints::hit("after-node-unstage");
-                    if MountTable::read().is_ok_and(|t| t.is_mount_point(&staging)) {
-                        return Step::Retry(
-                            format!(
-                                "NodeUnstageVolume succeeded but {} is still mounted",
-                                staging.display()
-                            ),
-                            None,
-                        );
+                    match crate::mounts::is_mount_point(&staging) {
+                        Ok(false) => {}
+                        Ok(true) => {
+                            return Step::Retry(
+                                format!(
+                                    "NodeUnstageVolume succeeded but {} is still mounted",
+                                    staging.display()
+                                ),
+                                None,
+                            )
+                        }
+                        Err(e) => {
+                            return Step::Retry(
+                                format!(
+                                    "cannot check that {} is unmounted: {e}",
+                                    staging.display()
+                                ),
+                                None,
+                            )
+                        }
                     }
                     let _ = std::fs::remove_dir(&staging);
                     self.inner.paths.remove_empty_parents(&staging);
