@@ -86,7 +86,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20] [--concurrency 16] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -556,6 +556,7 @@ fn fanout(
     let log_lines_before = std::fs::read_to_string(&setup.call_log)
         .map(|t| t.lines().count())
         .unwrap_or(0);
+    let stats_before = stats(&c);
     let t = Instant::now();
     release(&c, "fan", Duration::ZERO);
     let mut req = w::GetAllocRequest::new();
@@ -579,6 +580,7 @@ fn fanout(
         );
         std::thread::sleep(FANOUT_POLL);
     };
+    let fan_state = StateCost::between(&stats_before, &stats(&c), 1);
     let plugin_side = teardown_window(&setup.call_log, log_lines_before);
 
     // The bare client: the same number of releases, all at once.
@@ -591,7 +593,10 @@ fn fanout(
 
     let n = args.fanout - 1;
     let (key, what) = match delay {
-        None => ("release_fanout".to_string(), "no injected delay".to_string()),
+        None => (
+            "release_fanout".to_string(),
+            "no injected delay".to_string(),
+        ),
         Some(d) => (
             format!("release_fanout_teardown_delay_{}ms", d.as_millis()),
             format!("every teardown call delayed {} ms", d.as_millis()),
@@ -617,15 +622,21 @@ fn fanout(
             "bare_ratio": secs(bare_others) / secs(bare_one),
             "ratio_to_bare": secs(others) / secs(bare_others),
             "plugin_call_log": plugin_side,
+            "agent_state_during_release": fan_state.json(),
             "agent_peak_rss_kib": peak,
         }),
     );
     table.push((
-        format!("fan-out ({what}): one volume released alone, agent / bare (median of {ALONE_RUNS})"),
+        format!(
+            "fan-out ({what}): one volume released alone, agent / bare (median of {ALONE_RUNS})"
+        ),
         format!("{:.3} s / {:.3} s", secs(one), secs(bare_one)),
     ));
     table.push((
-        format!("fan-out ({what}): {n} others of {} with one hung, agent", args.fanout),
+        format!(
+            "fan-out ({what}): {n} others of {} with one hung, agent",
+            args.fanout
+        ),
         format!(
             "{:.3} s = {:.1}x one alone",
             secs(others),
@@ -848,10 +859,7 @@ fn main() {
         results.insert("rss_kib_n_allocs".into(), json!(rss_n));
         results.insert("peak_rss_kib_n_allocs".into(), json!(peak));
         table.push((
-            format!(
-                "RSS / peak RSS (VmHWM) with {} allocations",
-                args.restart_n
-            ),
+            format!("RSS / peak RSS (VmHWM) with {} allocations", args.restart_n),
             mib_pair(rss_n, peak),
         ));
         // 100 concurrent mounts: writes per mount.
@@ -939,13 +947,15 @@ fn main() {
         fanout(&args, &env, None, &mut results, &mut table);
         // Every teardown call delayed: what is left is the agent's
         // parallelism, not the plugin's throughput.
-        fanout(
-            &args,
-            &env,
-            Some(Duration::from_millis(args.fanout_delay_ms)),
-            &mut results,
-            &mut table,
-        );
+        if args.fanout_delay_ms > 0 {
+            fanout(
+                &args,
+                &env,
+                Some(Duration::from_millis(args.fanout_delay_ms)),
+                &mut results,
+                &mut table,
+            );
+        }
     }
 
     let size = std::fs::metadata(&args.agent).map(|m| m.len()).unwrap_or(0);
