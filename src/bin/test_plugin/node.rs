@@ -3,7 +3,8 @@
 //! Stage binds the volume directory onto the staging path (block volumes
 //! stage nothing, as several real plugins do); publish binds the staging
 //! path (or, without staging, the volume itself) onto a target the plugin
-//! creates. Every operation is idempotent and decided by the mount table.
+//! creates. Every operation is idempotent and decided by the mount table
+//! (teardown: by umount2's answer, the kernel's mount tree itself).
 
 use std::fs;
 use std::io;
@@ -31,10 +32,14 @@ fn io_failure(what: &str, path: &Path, e: io::Error) -> Failure {
 /// Unmounts everything stacked on `path`.
 fn unmount_all(path: &Path) -> Outcome<()> {
     for _ in 0..MAX_STACKED_MOUNTS {
-        if mount_at(path)?.is_none() {
+        if !mounts::unmount_if_mounted(path).map_err(|e| io_failure("unmount", path, e))? {
             return Ok(());
         }
-        mounts::unmount(path).map_err(|e| io_failure("unmount", path, e))?;
+    }
+    // Only here does the mount table decide: whether the last unmount
+    // left anything.
+    if mount_at(path)?.is_none() {
+        return Ok(());
     }
     Err(Failure::internal(format!(
         "{} still mounted after {MAX_STACKED_MOUNTS} unmounts",
