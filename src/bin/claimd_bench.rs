@@ -28,7 +28,17 @@ struct Args {
     n: usize,
     restart_n: usize,
     fanout: usize,
+    fanout_delay_ms: u64,
     concurrency: usize,
+    only: Vec<String>,
+}
+
+const SECTIONS: &[&str] = &["overhead", "restart", "fanout"];
+
+impl Args {
+    fn runs(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| s == section)
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -39,7 +49,9 @@ fn parse_args() -> Result<Args, String> {
         n: 200,
         restart_n: 1000,
         fanout: 100,
+        fanout_delay_ms: 20,
         concurrency: 16,
+        only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -56,9 +68,26 @@ fn parse_args() -> Result<Args, String> {
             "--concurrency" => {
                 a.concurrency = val()?.parse().map_err(|e| format!("--concurrency: {e}"))?
             }
+            "--fanout-delay-ms" => {
+                a.fanout_delay_ms = val()?
+                    .parse()
+                    .map_err(|e| format!("--fanout-delay-ms: {e}"))?
+            }
+            "--only" => {
+                for section in val()?.split(',') {
+                    if !SECTIONS.contains(&section) {
+                        return Err(format!(
+                            "--only: unknown section {section:?} (sections: {})",
+                            SECTIONS.join(",")
+                        ));
+                    }
+                    a.only.push(section.to_string());
+                }
+            }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--concurrency 16]"
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--only {}]",
+                    SECTIONS.join(",")
                 );
                 std::process::exit(0);
             }
@@ -67,6 +96,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.agent.as_os_str().is_empty() || a.plugin.as_os_str().is_empty() {
         return Err("--agent and --plugin are required".into());
+    }
+    if a.fanout < 2 {
+        return Err("--fanout must be at least 2 (one hung volume and the others)".into());
     }
     Ok(a)
 }
@@ -283,6 +315,54 @@ fn mean_ms(v: &[Duration]) -> f64 {
     v.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1000.0 / v.len().max(1) as f64
 }
 
+fn rss_and_peak(pid: u32) -> (u64, u64) {
+    (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"))
+}
+
+fn mib_pair(a_kib: u64, b_kib: u64) -> String {
+    format!(
+        "{:.1} / {:.1} MiB",
+        a_kib as f64 / 1024.0,
+        b_kib as f64 / 1024.0
+    )
+}
+
+/// What the agent's state store did between two GetStats answers, per
+/// operation: the store's own counters (fsync and fdatasync calls,
+/// snapshot rewrites), not estimates.
+struct StateCost {
+    writes: f64,
+    bytes: f64,
+    fsyncs: f64,
+    snapshots: f64,
+}
+
+impl StateCost {
+    fn between(a: &w::GetStatsResponse, b: &w::GetStatsResponse, ops: usize) -> StateCost {
+        let per = |x: u64, y: u64| y.saturating_sub(x) as f64 / ops.max(1) as f64;
+        StateCost {
+            writes: per(a.state_writes, b.state_writes),
+            bytes: per(a.state_bytes_written, b.state_bytes_written),
+            fsyncs: per(a.state_fsyncs, b.state_fsyncs),
+            snapshots: per(a.state_snapshots, b.state_snapshots),
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({"state_writes": self.writes, "state_bytes": self.bytes,
+               "state_fsyncs": self.fsyncs, "state_snapshots": self.snapshots})
+    }
+
+    fn row(&self) -> String {
+        format!(
+            "{:.2} / {:.1} KiB / {:.2}",
+            self.writes,
+            self.bytes / 1024.0,
+            self.snapshots
+        )
+    }
+}
+
 /// The bare client: exactly the calls the agent makes for one volume.
 struct Bare {
     client: CsiClient,
@@ -383,6 +463,223 @@ fn run_parallel(n: usize, threads: usize, f: impl Fn(usize) + Sync) -> (Vec<Dura
     (lat.into_inner(), started.elapsed())
 }
 
+/// The CSI calls of a release.
+const TEARDOWN: &[&str] = &[
+    "NodeUnpublishVolume",
+    "NodeUnstageVolume",
+    "ControllerUnpublishVolume",
+];
+
+/// How often the fan-out poll asks the agent which volumes are released.
+const FANOUT_POLL: Duration = Duration::from_millis(2);
+
+/// Fault rules: `hang_volume`'s NodeUnpublish hangs (the first matching rule
+/// applies), and with `delay` every teardown call sleeps that long first.
+fn fanout_faults(delay: Option<Duration>, hang_volume: Option<&str>) -> Value {
+    let mut rules = Vec::new();
+    if let Some(v) = hang_volume {
+        rules.push(json!({"method": "NodeUnpublishVolume", "volume_id": v, "action": "hang"}));
+    }
+    if let Some(d) = delay {
+        for m in TEARDOWN {
+            rules.push(json!({"method": m, "action": "delay", "ms": d.as_millis() as u64}));
+        }
+    }
+    json!({ "rules": rules })
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Release fan-out: one allocation with `args.fanout` volumes, one of which
+/// hangs in NodeUnpublish; the time until the others are released, against
+/// one volume released alone, and against a bare client releasing the same
+/// number at once. With `delay`, every teardown call of the plugin sleeps
+/// that long first (in all three measurements).
+fn fanout(
+    args: &Args,
+    env: &Arc<grpcio::Environment>,
+    delay: Option<Duration>,
+    results: &mut serde_json::Map<String, Value>,
+    table: &mut Vec<(String, String)>,
+) {
+    const ALONE_RUNS: usize = 5;
+    let mut s = Scratch::new();
+    let setup = start_plugin(args, &mut s);
+    let (agent, _) = Agent::start(args, &setup);
+    let c = api(&setup, env);
+    let write_faults = |hang: Option<&str>| {
+        std::fs::write(&setup.faults, fanout_faults(delay, hang).to_string())
+            .expect("write the fault file");
+    };
+    write_faults(None);
+
+    // One volume alone, agent and bare client: the median of a few.
+    let mut alone = Vec::new();
+    for i in 0..ALONE_RUNS {
+        let (v, a) = (format!("solo{i}"), format!("solo-a{i}"));
+        register(&c, &v, "single-node-writer");
+        mount(&c, &a, std::slice::from_ref(&v));
+        let t = Instant::now();
+        let r = release(&c, &a, Duration::from_secs(60));
+        assert!(r.done, "release of one volume did not finish");
+        alone.push(t.elapsed());
+    }
+    let one = median(alone);
+    let bare = Bare {
+        client: CsiClient::new(env.clone(), &setup.plugin_socket, CALL),
+        node_id: CsiClient::new(env.clone(), &setup.plugin_socket, CALL)
+            .node_get_info()
+            .expect("node info")
+            .node_id,
+        root: s.dir.join("bare"),
+    };
+    let mut bare_alone = Vec::new();
+    for i in 0..ALONE_RUNS {
+        let id = format!("bsolo{i}");
+        bare.mount(&id);
+        let t = Instant::now();
+        bare.release(&id);
+        bare_alone.push(t.elapsed());
+    }
+    let bare_one = median(bare_alone);
+
+    // The agent: one allocation, one volume hangs.
+    let vols: Vec<String> = (0..args.fanout).map(|i| format!("f{i}")).collect();
+    for v in &vols {
+        register(&c, v, "single-node-writer");
+    }
+    mount(&c, "fan", &vols);
+    write_faults(Some("ext-f0"));
+    let log_lines_before = std::fs::read_to_string(&setup.call_log)
+        .map(|t| t.lines().count())
+        .unwrap_or(0);
+    let stats_before = stats(&c);
+    let t = Instant::now();
+    release(&c, "fan", Duration::ZERO);
+    let mut req = w::GetAllocRequest::new();
+    req.alloc_id = "fan".into();
+    let others = loop {
+        let released = c
+            .raw()
+            .get_alloc(&req, opt())
+            .expect("get alloc")
+            .alloc
+            .volumes
+            .iter()
+            .filter(|v| v.release_state == "released")
+            .count();
+        if released == args.fanout - 1 {
+            break t.elapsed();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the other volumes were not released within 300 s ({released} were)"
+        );
+        std::thread::sleep(FANOUT_POLL);
+    };
+    let fan_state = StateCost::between(&stats_before, &stats(&c), 1);
+    let plugin_side = teardown_window(&setup.call_log, log_lines_before);
+
+    // The bare client: the same number of releases, all at once.
+    let ids: Vec<String> = (1..args.fanout).map(|i| format!("bf{i}")).collect();
+    run_parallel(ids.len(), args.concurrency, |i| bare.mount(&ids[i]));
+    let (_, bare_others) = run_parallel(ids.len(), ids.len(), |i| bare.release(&ids[i]));
+    let peak = proc_status(agent.pid(), "VmHWM:");
+    let _ = std::fs::remove_file(&setup.faults);
+    agent.kill();
+
+    let n = args.fanout - 1;
+    let (key, what) = match delay {
+        None => (
+            "release_fanout".to_string(),
+            "no injected delay".to_string(),
+        ),
+        Some(d) => (
+            format!("release_fanout_teardown_delay_{}ms", d.as_millis()),
+            format!("every teardown call delayed {} ms", d.as_millis()),
+        ),
+    };
+    let secs = |d: Duration| d.as_secs_f64();
+    results.insert(
+        key,
+        json!({
+            "what": format!(
+                "one allocation of {} volumes, NodeUnpublish of one hangs; {what}",
+                args.fanout
+            ),
+            "teardown_delay_ms": delay.map(|d| d.as_millis() as u64),
+            "volumes": args.fanout,
+            "seconds_others_released": secs(others),
+            "poll_interval_ms": FANOUT_POLL.as_millis() as u64,
+            "seconds_one_volume_alone": secs(one),
+            "one_volume_alone_runs": ALONE_RUNS,
+            "ratio": secs(others) / secs(one),
+            "bare_seconds_others_released": secs(bare_others),
+            "bare_seconds_one_volume_alone": secs(bare_one),
+            "bare_ratio": secs(bare_others) / secs(bare_one),
+            "ratio_to_bare": secs(others) / secs(bare_others),
+            "plugin_call_log": plugin_side,
+            "agent_state_during_release": fan_state.json(),
+            "agent_peak_rss_kib": peak,
+        }),
+    );
+    table.push((
+        format!(
+            "fan-out ({what}): one volume released alone, agent / bare (median of {ALONE_RUNS})"
+        ),
+        format!("{:.3} s / {:.3} s", secs(one), secs(bare_one)),
+    ));
+    table.push((
+        format!(
+            "fan-out ({what}): {n} others of {} with one hung, agent",
+            args.fanout
+        ),
+        format!(
+            "{:.3} s = {:.1}x one alone",
+            secs(others),
+            secs(others) / secs(one)
+        ),
+    ));
+    table.push((
+        format!("fan-out ({what}): the same {n} by a bare client, all at once"),
+        format!(
+            "{:.3} s = {:.1}x bare one alone; agent / bare = {:.2}x",
+            secs(bare_others),
+            secs(bare_others) / secs(bare_one),
+            secs(others) / secs(bare_others)
+        ),
+    ));
+}
+
+/// From the plugin's call log (lines after `skip`): how many teardown calls
+/// it answered and the span between the first and the last answer.
+fn teardown_window(log: &Path, skip: usize) -> Value {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut first = u64::MAX;
+    let mut last = 0u64;
+    let mut calls = BTreeMap::<String, usize>::new();
+    for line in text.lines().skip(skip) {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let (Some(method), Some(ts)) = (v["method"].as_str(), v["ts_ms"].as_u64()) else {
+            continue;
+        };
+        if TEARDOWN.contains(&method) {
+            *calls.entry(method.to_string()).or_default() += 1;
+            first = first.min(ts);
+            last = last.max(ts);
+        }
+    }
+    json!({
+        "teardown_calls_answered": calls,
+        "ms_first_to_last_answer": last.checked_sub(first),
+    })
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(a) => a,
@@ -396,7 +693,7 @@ fn main() {
     let mut table: Vec<(String, String)> = Vec::new();
 
     // ---- 1. mount and release overhead, and 4. idle footprint -------------
-    {
+    if args.runs("overhead") {
         let mut s = Scratch::new();
         let setup = start_plugin(&args, &mut s);
         let (agent, _) = Agent::start(&args, &setup);
@@ -407,13 +704,14 @@ fn main() {
                 .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"))
         });
         // Idle footprint with nothing recorded.
-        let rss0 = proc_status(agent.pid(), "VmRSS:");
+        let (rss0, peak0) = rss_and_peak(agent.pid());
         let threads0 = proc_status(agent.pid(), "Threads:");
         results.insert("idle_rss_kib_0_allocs".into(), json!(rss0));
+        results.insert("idle_peak_rss_kib_0_allocs".into(), json!(peak0));
         results.insert("idle_threads".into(), json!(threads0));
         table.push((
-            "idle RSS, 0 allocations".into(),
-            format!("{:.1} MiB", rss0 as f64 / 1024.0),
+            "idle RSS / peak RSS (VmHWM), 0 allocations".into(),
+            mib_pair(rss0, peak0),
         ));
         table.push(("threads at idle".into(), threads0.to_string()));
 
@@ -449,10 +747,8 @@ fn main() {
                 mean_ms(&rel_lat),
                 mean_ms(&bare_rel),
             );
-            let writes_mount = (mid.state_writes - before.state_writes) as f64 / args.n as f64;
-            let writes_rel = (after.state_writes - mid.state_writes) as f64 / args.n as f64;
-            let bytes_mount =
-                (mid.state_bytes_written - before.state_bytes_written) as f64 / args.n as f64;
+            let mount_cost = StateCost::between(&before, &mid, args.n);
+            let release_cost = StateCost::between(&mid, &after, args.n);
             results.insert(
                 format!("{label}_mount_release"),
                 json!({
@@ -461,9 +757,8 @@ fn main() {
                     "agent_release_ms_mean": ar, "bare_release_ms_mean": br, "release_ratio": ar / br,
                     "agent_mount_wall_s": mount_wall.as_secs_f64(), "bare_mount_wall_s": bare_mount_wall.as_secs_f64(),
                     "agent_release_wall_s": rel_wall.as_secs_f64(), "bare_release_wall_s": bare_rel_wall.as_secs_f64(),
-                    "state_writes_per_mount": writes_mount, "fsyncs_per_mount": writes_mount * 2.0,
-                    "state_writes_per_release": writes_rel, "fsyncs_per_release": writes_rel * 2.0,
-                    "state_bytes_per_mount": bytes_mount,
+                    "state_per_mount": mount_cost.json(),
+                    "state_per_release": release_cost.json(),
                 }),
             );
             table.push((
@@ -484,15 +779,35 @@ fn main() {
                 ),
             ));
             table.push((
-                format!("{label}: fsyncs per mount / per release"),
-                format!("{:.1} / {:.1}", writes_mount * 2.0, writes_rel * 2.0),
+                format!("{label}: state fsyncs per mount / per release (GetStats)"),
+                format!("{:.2} / {:.2}", mount_cost.fsyncs, release_cost.fsyncs),
+            ));
+            table.push((
+                format!("{label}: state writes / KiB / snapshots per mount"),
+                mount_cost.row(),
+            ));
+            table.push((
+                format!("{label}: state writes / KiB / snapshots per release"),
+                release_cost.row(),
             ));
         }
+        let (rss, peak) = rss_and_peak(agent.pid());
+        results.insert(
+            "rss_kib_after_overhead".into(),
+            json!({"rss": rss, "peak": peak}),
+        );
+        table.push((
+            format!(
+                "RSS / peak RSS (VmHWM) after {} mounts and releases x2",
+                args.n
+            ),
+            mib_pair(rss, peak),
+        ));
         agent.stop();
     }
 
     // ---- 2. restart recovery, 4. footprint with many, 5. write cost -------
-    {
+    if args.runs("restart") {
         let mut s = Scratch::new();
         let setup = start_plugin(&args, &mut s);
         let (agent, _) = Agent::start(&args, &setup);
@@ -504,8 +819,7 @@ fn main() {
         run_parallel(args.restart_n, args.concurrency, |i| {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
         });
-        let peak = proc_status(agent.pid(), "VmHWM:");
-        let rss_n = proc_status(agent.pid(), "VmRSS:");
+        let (rss_n, peak) = rss_and_peak(agent.pid());
         // Write cost of one more mount and release with N on record.
         let b = stats(&c);
         mount(&c, "one-more", &["shared".to_string()]);
@@ -520,28 +834,33 @@ fn main() {
                 "bytes_per_mount": m.state_bytes_written - b.state_bytes_written,
                 "writes_per_release": e.state_writes - m.state_writes,
                 "bytes_per_release": e.state_bytes_written - m.state_bytes_written,
+                "per_mount": StateCost::between(&b, &m, 1).json(),
+                "per_release": StateCost::between(&m, &e, 1).json(),
             }),
         );
         table.push((
             format!(
-                "state writes / bytes per mount with {} on record",
+                "state writes / KiB / snapshots per mount with {} on record",
+                args.restart_n
+            ),
+            StateCost::between(&b, &m, 1).row(),
+        ));
+        table.push((
+            format!(
+                "state fsyncs per mount / per release with {} on record (GetStats)",
                 args.restart_n
             ),
             format!(
-                "{} / {} KiB",
-                m.state_writes - b.state_writes,
-                (m.state_bytes_written - b.state_bytes_written) / 1024
+                "{} / {}",
+                m.state_fsyncs - b.state_fsyncs,
+                e.state_fsyncs - m.state_fsyncs
             ),
         ));
         results.insert("rss_kib_n_allocs".into(), json!(rss_n));
         results.insert("peak_rss_kib_n_allocs".into(), json!(peak));
         table.push((
-            format!("RSS / peak RSS with {} allocations", args.restart_n),
-            format!(
-                "{:.1} / {:.1} MiB",
-                rss_n as f64 / 1024.0,
-                peak as f64 / 1024.0
-            ),
+            format!("RSS / peak RSS (VmHWM) with {} allocations", args.restart_n),
+            mib_pair(rss_n, peak),
         ));
         // 100 concurrent mounts: writes per mount.
         for i in 0..100 {
@@ -552,11 +871,16 @@ fn main() {
             mount(&c, &format!("c-a{i}"), &[format!("c{i}")])
         });
         let e = stats(&c);
-        let per = (e.state_writes - b.state_writes) as f64 / 100.0;
-        results.insert("writes_per_mount_100_concurrent".into(), json!(per));
+        let cost = StateCost::between(&b, &e, 100);
+        results.insert("writes_per_mount_100_concurrent".into(), json!(cost.writes));
+        results.insert("state_per_mount_100_concurrent".into(), cost.json());
         table.push((
-            "state writes per mount, 100 concurrent".into(),
-            format!("{per:.2}"),
+            "state writes / KiB / snapshots per mount, 100 concurrent".into(),
+            cost.row(),
+        ));
+        table.push((
+            "state fsyncs per mount, 100 concurrent (GetStats)".into(),
+            format!("{:.2}", cost.fsyncs),
         ));
         run_parallel(100, 16, |i| {
             release(&c, &format!("c-a{i}"), Duration::from_secs(60));
@@ -595,14 +919,21 @@ fn main() {
                 recovered.as_secs_f64()
             ),
         ));
-        let rss_restart = proc_status(agent.pid(), "VmRSS:");
+        let (rss_restart, peak_restart) = rss_and_peak(agent.pid());
         results.insert(
             "idle_rss_kib_n_allocs_after_restart".into(),
             json!(rss_restart),
         );
+        results.insert(
+            "peak_rss_kib_n_allocs_after_restart".into(),
+            json!(peak_restart),
+        );
         table.push((
-            format!("idle RSS after restart with {} allocations", args.restart_n),
-            format!("{:.1} MiB", rss_restart as f64 / 1024.0),
+            format!(
+                "idle RSS / peak RSS (VmHWM) after restart with {} allocations",
+                args.restart_n
+            ),
+            mib_pair(rss_restart, peak_restart),
         ));
         run_parallel(args.restart_n, args.concurrency, |i| {
             release(&c, &format!("r-a{i}"), Duration::from_secs(60));
@@ -611,92 +942,20 @@ fn main() {
     }
 
     // ---- 3. release fan-out with one hung volume ---------------------------
-    {
-        let mut s = Scratch::new();
-        let setup = start_plugin(&args, &mut s);
-        let (agent, _) = Agent::start(&args, &setup);
-        let c = api(&setup, &env);
-        register(&c, "solo", "single-node-writer");
-        mount(&c, "solo-a", &["solo".to_string()]);
-        let t = Instant::now();
-        release(&c, "solo-a", Duration::from_secs(60));
-        let one = t.elapsed();
-        let vols: Vec<String> = (0..args.fanout).map(|i| format!("f{i}")).collect();
-        for v in &vols {
-            register(&c, v, "single-node-writer");
+    if args.runs("fanout") {
+        // As the plugin comes: teardown as fast as its syscalls and fsyncs.
+        fanout(&args, &env, None, &mut results, &mut table);
+        // Every teardown call delayed: what is left is the agent's
+        // parallelism, not the plugin's throughput.
+        if args.fanout_delay_ms > 0 {
+            fanout(
+                &args,
+                &env,
+                Some(Duration::from_millis(args.fanout_delay_ms)),
+                &mut results,
+                &mut table,
+            );
         }
-        mount(&c, "fan", &vols);
-        std::fs::write(
-            &setup.faults,
-            json!({"rules": [{"method": "NodeUnpublishVolume", "volume_id": "ext-f0", "action": "hang"}]})
-                .to_string(),
-        )
-        .expect("fault");
-        let t = Instant::now();
-        release(&c, "fan", Duration::ZERO);
-        let mut req = w::GetAllocRequest::new();
-        req.alloc_id = "fan".into();
-        wait_for(
-            "the other volumes to be released",
-            Duration::from_secs(300),
-            || {
-                c.raw().get_alloc(&req, opt()).is_ok_and(|r| {
-                    r.alloc
-                        .volumes
-                        .iter()
-                        .filter(|v| v.release_state == "released")
-                        .count()
-                        == args.fanout - 1
-                })
-            },
-        );
-        let others = t.elapsed();
-        // The same fan-out made by a bare client: the plugin's own limit
-        // (it serialises mount syscalls and fsyncs its controller state).
-        let bare = Bare {
-            client: CsiClient::new(env.clone(), &setup.plugin_socket, CALL),
-            node_id: CsiClient::new(env.clone(), &setup.plugin_socket, CALL)
-                .node_get_info()
-                .expect("node info")
-                .node_id,
-            root: s.dir.join("bare"),
-        };
-        let ids: Vec<String> = (1..args.fanout).map(|i| format!("bf{i}")).collect();
-        run_parallel(ids.len(), 16, |i| bare.mount(&ids[i]));
-        let (_, bare_others) = run_parallel(ids.len(), ids.len(), |i| bare.release(&ids[i]));
-        results.insert(
-            "release_fanout".into(),
-            json!({"volumes": args.fanout, "seconds_others_released": others.as_secs_f64(),
-                   "seconds_one_volume_alone": one.as_secs_f64(),
-                   "ratio": others.as_secs_f64() / one.as_secs_f64(),
-                   "bare_seconds_others_released": bare_others.as_secs_f64(),
-                   "ratio_to_bare": others.as_secs_f64() / bare_others.as_secs_f64()}),
-        );
-        table.push((
-            format!(
-                "the same {} releases by a bare client, all at once",
-                args.fanout - 1
-            ),
-            format!(
-                "{:.3} s: agent / bare = {:.2}x",
-                bare_others.as_secs_f64(),
-                others.as_secs_f64() / bare_others.as_secs_f64()
-            ),
-        ));
-        table.push((
-            format!(
-                "release of {} volumes with one hung: the others",
-                args.fanout
-            ),
-            format!(
-                "{:.3} s vs {:.3} s for one alone = {:.1}x",
-                others.as_secs_f64(),
-                one.as_secs_f64(),
-                others.as_secs_f64() / one.as_secs_f64()
-            ),
-        ));
-        let _ = std::fs::remove_file(&setup.faults);
-        agent.kill();
     }
 
     let size = std::fs::metadata(&args.agent).map(|m| m.len()).unwrap_or(0);

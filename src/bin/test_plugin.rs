@@ -10,6 +10,8 @@ mod call_log;
 mod config;
 #[path = "test_plugin/controller.rs"]
 mod controller;
+#[path = "test_plugin/controller_store.rs"]
+mod controller_store;
 #[path = "test_plugin/faults.rs"]
 mod faults;
 #[path = "test_plugin/files.rs"]
@@ -18,6 +20,8 @@ mod files;
 mod mounts;
 #[path = "test_plugin/node.rs"]
 mod node;
+#[path = "test_plugin/path_locks.rs"]
+mod path_locks;
 #[path = "test_plugin/plugin.rs"]
 mod plugin;
 #[path = "test_plugin/server.rs"]

@@ -1,19 +1,18 @@
 //! The Controller service: attachments and created volumes, kept in
-//! `<root>/controller.json` (written atomically, re-read on every call, so a
-//! restarted plugin remembers them and a test can make it "lose" them by
-//! deleting the file).
+//! `<root>/controller.json` (written atomically, re-read on every call when
+//! no write is in flight, so a restarted plugin remembers them and a test
+//! can make it "lose" them by deleting the file). Concurrent calls share
+//! fsyncs: see `controller_store.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io;
-use std::path::PathBuf;
 
 use claimd::csi::*;
 use grpcio::RpcStatusCode;
 use protobuf::EnumOrUnknown;
 use serde::{Deserialize, Serialize};
 
-use crate::files::write_atomic;
 use crate::plugin::*;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,14 +21,14 @@ struct Attachment {
     readonly: bool,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct CreatedVolume {
     capacity_bytes: i64,
     volume_context: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct ControllerState {
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerState {
     /// volume ID → node ID → attachment.
     #[serde(default)]
     attachments: BTreeMap<String, BTreeMap<String, Attachment>>,
@@ -58,37 +57,9 @@ fn sorted(map: &HashMap<String, String>) -> BTreeMap<String, String> {
 }
 
 impl Plugin {
-    fn state_path(&self) -> PathBuf {
-        self.config.root.join("controller.json")
-    }
-
-    fn load_state(&self) -> Outcome<ControllerState> {
-        let path = self.state_path();
-        match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-                Failure::internal(format!(
-                    "controller state {} is invalid: {e}",
-                    path.display()
-                ))
-            }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(ControllerState::default()),
-            Err(e) => Err(Failure::internal(format!(
-                "cannot read controller state {}: {e}",
-                path.display()
-            ))),
-        }
-    }
-
-    fn save_state(&self, state: &ControllerState) -> Outcome<()> {
-        let path = self.state_path();
-        let bytes = serde_json::to_vec_pretty(state)
-            .map_err(|e| Failure::internal(format!("cannot encode controller state: {e}")))?;
-        write_atomic(&path, &bytes).map_err(|e| {
-            Failure::internal(format!(
-                "cannot write controller state {}: {e}",
-                path.display()
-            ))
-        })
+    /// Runs `f` on the durable controller state.
+    fn read_state<R>(&self, f: impl FnOnce(&ControllerState) -> R) -> Outcome<R> {
+        self.controller_state.read(f).map_err(Failure::internal)
     }
 
     fn controller_supported(&self, method: &str) -> Outcome<()> {
@@ -109,16 +80,14 @@ impl Plugin {
         if !self.config.controller {
             return Ok(());
         }
-        let state = {
-            let _state = self.controller_lock.lock();
-            self.load_state()?
-        };
         let node = &self.config.node_id;
-        if state
-            .attachments
-            .get(volume_id)
-            .is_some_and(|nodes| nodes.contains_key(node))
-        {
+        let attached = self.read_state(|state| {
+            state
+                .attachments
+                .get(volume_id)
+                .is_some_and(|nodes| nodes.contains_key(node))
+        })?;
+        if attached {
             Ok(())
         } else {
             Err(Failure::precondition(format!(
@@ -146,18 +115,19 @@ impl Plugin {
                 "publish_context of volume {volume_id} is not the one ControllerPublishVolume returned"
             )));
         }
-        let state = {
-            let _state = self.controller_lock.lock();
-            self.load_state()?
-        };
-        if let Some(created) = state.volumes.get(volume_id) {
-            if sorted(volume) != created.volume_context {
-                return Err(Failure::invalid(format!(
-                    "volume_context of volume {volume_id} is not the one CreateVolume returned"
-                )));
-            }
+        let matches = self.read_state(|state| {
+            state
+                .volumes
+                .get(volume_id)
+                .map_or(true, |created| sorted(volume) == created.volume_context)
+        })?;
+        if matches {
+            Ok(())
+        } else {
+            Err(Failure::invalid(format!(
+                "volume_context of volume {volume_id} is not the one CreateVolume returned"
+            )))
         }
-        Ok(())
     }
 
     pub fn controller_publish_volume(
@@ -191,56 +161,58 @@ impl Plugin {
         let mut response = ControllerPublishVolumeResponse::new();
         response.publish_context = publish_context(id, node).into_iter().collect();
 
-        let _state = self.controller_lock.lock();
-        let mut state = self.load_state()?;
-        let nodes = state.attachments.get(id);
-        if let Some(existing) = nodes.and_then(|n| n.get(node)) {
-            return if *existing == wanted {
-                Ok(response)
-            } else {
-                Err(Failure::new(
-                    RpcStatusCode::ALREADY_EXISTS,
-                    format!(
-                        "volume {id} is attached to node {node} with access mode {} readonly={}",
-                        existing.access_mode, existing.readonly
-                    ),
-                ))
-            };
-        }
-        let others: Vec<(&String, &Attachment)> = nodes
-            .map(|n| n.iter().filter(|(k, _)| *k != node).collect())
-            .unwrap_or_default();
-        if !others.is_empty()
-            && (single_node(&wanted.access_mode)
-                || others.iter().any(|(_, a)| single_node(&a.access_mode)))
-        {
-            let names: Vec<&str> = others.iter().map(|(k, _)| k.as_str()).collect();
-            return Err(Failure::precondition(format!(
-                "volume {id} is attached to node {} with a single-node access mode",
-                names.join(",")
-            )));
-        }
-        let limit = self.config.max_volumes_per_node;
-        if limit > 0 {
-            let on_node = state
-                .attachments
-                .values()
-                .filter(|n| n.contains_key(node))
-                .count();
-            if i64::try_from(on_node).unwrap_or(i64::MAX) >= limit {
-                return Err(Failure::new(
-                    RpcStatusCode::RESOURCE_EXHAUSTED,
-                    format!("node {node} already has {on_node} volumes attached (limit {limit})"),
-                ));
+        let attached = self.controller_state.update(|state| -> Outcome<bool> {
+            let nodes = state.attachments.get(id);
+            if let Some(existing) = nodes.and_then(|n| n.get(node)) {
+                return if *existing == wanted {
+                    Ok(false)
+                } else {
+                    Err(Failure::new(
+                        RpcStatusCode::ALREADY_EXISTS,
+                        format!(
+                            "volume {id} is attached to node {node} with access mode {} readonly={}",
+                            existing.access_mode, existing.readonly
+                        ),
+                    ))
+                };
             }
+            let others: Vec<(&String, &Attachment)> = nodes
+                .map(|n| n.iter().filter(|(k, _)| *k != node).collect())
+                .unwrap_or_default();
+            if !others.is_empty()
+                && (single_node(&wanted.access_mode)
+                    || others.iter().any(|(_, a)| single_node(&a.access_mode)))
+            {
+                let names: Vec<&str> = others.iter().map(|(k, _)| k.as_str()).collect();
+                return Err(Failure::precondition(format!(
+                    "volume {id} is attached to node {} with a single-node access mode",
+                    names.join(",")
+                )));
+            }
+            let limit = self.config.max_volumes_per_node;
+            if limit > 0 {
+                let on_node = state
+                    .attachments
+                    .values()
+                    .filter(|n| n.contains_key(node))
+                    .count();
+                if i64::try_from(on_node).unwrap_or(i64::MAX) >= limit {
+                    return Err(Failure::new(
+                        RpcStatusCode::RESOURCE_EXHAUSTED,
+                        format!("node {node} already has {on_node} volumes attached (limit {limit})"),
+                    ));
+                }
+            }
+            state
+                .attachments
+                .entry(id.to_string())
+                .or_default()
+                .insert(node.to_string(), wanted);
+            Ok(true)
+        })?;
+        if attached {
+            log::info!("attached {id} to node {node}");
         }
-        state
-            .attachments
-            .entry(id.to_string())
-            .or_default()
-            .insert(node.to_string(), wanted);
-        self.save_state(&state)?;
-        log::info!("attached {id} to node {node}");
         Ok(response)
     }
 
@@ -252,21 +224,20 @@ impl Plugin {
         self.controller_supported("ControllerUnpublishVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let node = req.node_id.as_str();
-        let _state = self.controller_lock.lock();
-        let mut state = self.load_state()?;
-        let changed = match state.attachments.get_mut(id) {
-            None => false,
-            Some(_) if node.is_empty() => state.attachments.remove(id).is_some(),
-            Some(nodes) => {
-                let removed = nodes.remove(node).is_some();
-                if nodes.is_empty() {
-                    state.attachments.remove(id);
+        let changed = self.controller_state.update(|state| -> Outcome<bool> {
+            Ok(match state.attachments.get_mut(id) {
+                None => false,
+                Some(_) if node.is_empty() => state.attachments.remove(id).is_some(),
+                Some(nodes) => {
+                    let removed = nodes.remove(node).is_some();
+                    if nodes.is_empty() {
+                        state.attachments.remove(id);
+                    }
+                    removed
                 }
-                removed
-            }
-        };
+            })
+        })?;
         if changed {
-            self.save_state(&state)?;
             log::info!(
                 "detached {id} from {}",
                 if node.is_empty() { "every node" } else { node }
@@ -317,21 +288,22 @@ impl Plugin {
             .as_ref()
             .map(|r| r.required_bytes)
             .unwrap_or(0);
-        let _state = self.controller_lock.lock();
-        let mut state = self.load_state()?;
-        self.volume_dir(id)?;
-        let created = state
-            .volumes
-            .entry(id.to_string())
-            .or_insert_with(|| CreatedVolume {
-                capacity_bytes: capacity,
-                volume_context: BTreeMap::from([(
-                    "claimd.test/volume".to_string(),
-                    id.to_string(),
-                )]),
-            })
-            .clone();
-        self.save_state(&state)?;
+        let created = self
+            .controller_state
+            .update(|state| -> Outcome<CreatedVolume> {
+                self.volume_dir(id)?;
+                Ok(state
+                    .volumes
+                    .entry(id.to_string())
+                    .or_insert_with(|| CreatedVolume {
+                        capacity_bytes: capacity,
+                        volume_context: BTreeMap::from([(
+                            "claimd.test/volume".to_string(),
+                            id.to_string(),
+                        )]),
+                    })
+                    .clone())
+            })?;
         let mut volume = Volume::new();
         volume.volume_id = id.to_string();
         volume.capacity_bytes = created.capacity_bytes;
@@ -349,38 +321,39 @@ impl Plugin {
     ) -> Outcome<DeleteVolumeResponse> {
         self.controller_supported("DeleteVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
-        let _state = self.controller_lock.lock();
-        let mut state = self.load_state()?;
-        if let Some(nodes) = state.attachments.get(id) {
-            let names: Vec<&str> = nodes.keys().map(String::as_str).collect();
-            return Err(Failure::precondition(format!(
-                "volume {id} is still attached to node {}",
-                names.join(",")
-            )));
-        }
-        let dir = self.volumes_dir().join(id);
-        match fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                return Err(Failure::internal(format!(
-                    "cannot remove volume {}: {e}",
-                    dir.display()
-                )))
+        // Under the state's lock: no ControllerPublish can attach the
+        // volume between the check and the removal.
+        self.controller_state.update(|state| -> Outcome<()> {
+            if let Some(nodes) = state.attachments.get(id) {
+                let names: Vec<&str> = nodes.keys().map(String::as_str).collect();
+                return Err(Failure::precondition(format!(
+                    "volume {id} is still attached to node {}",
+                    names.join(",")
+                )));
             }
-            _ => {}
-        }
-        let img = self.volumes_dir().join(format!("{id}.img"));
-        match fs::remove_file(&img) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                return Err(Failure::internal(format!(
-                    "cannot remove volume {}: {e}",
-                    img.display()
-                )))
+            let dir = self.volumes_dir().join(id);
+            match fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err(Failure::internal(format!(
+                        "cannot remove volume {}: {e}",
+                        dir.display()
+                    )))
+                }
+                _ => {}
             }
-            _ => {}
-        }
-        if state.volumes.remove(id).is_some() {
-            self.save_state(&state)?;
-        }
+            let img = self.volumes_dir().join(format!("{id}.img"));
+            match fs::remove_file(&img) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err(Failure::internal(format!(
+                        "cannot remove volume {}: {e}",
+                        img.display()
+                    )))
+                }
+                _ => {}
+            }
+            state.volumes.remove(id);
+            Ok(())
+        })?;
         log::info!("deleted volume {id}");
         Ok(DeleteVolumeResponse::new())
     }

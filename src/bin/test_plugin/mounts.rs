@@ -82,3 +82,23 @@ pub fn unmount(target: &Path) -> io::Result<()> {
     // SAFETY: a valid NUL-terminated C string that outlives the call.
     check(unsafe { libc::umount2(t.as_ptr(), 0) })
 }
+
+/// Unmounts the topmost mount at `target`; false when nothing is mounted
+/// there (the kernel answers EINVAL for a path that is not a mount point,
+/// ENOENT or ENOTDIR for one that does not exist). Asks the kernel's mount tree
+/// directly, so a teardown costs no read of the whole mount table (which
+/// grows with every mounted volume).
+pub fn unmount_if_mounted(target: &Path) -> io::Result<bool> {
+    match unmount(target) {
+        Ok(()) => Ok(true),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EINVAL | libc::ENOENT | libc::ENOTDIR)
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -3,7 +3,8 @@
 //! Stage binds the volume directory onto the staging path (block volumes
 //! stage nothing, as several real plugins do); publish binds the staging
 //! path (or, without staging, the volume itself) onto a target the plugin
-//! creates. Every operation is idempotent and decided by the mount table.
+//! creates. Every operation is idempotent and decided by the mount table
+//! (teardown: by umount2's answer, the kernel's mount tree itself).
 
 use std::fs;
 use std::io;
@@ -31,10 +32,14 @@ fn io_failure(what: &str, path: &Path, e: io::Error) -> Failure {
 /// Unmounts everything stacked on `path`.
 fn unmount_all(path: &Path) -> Outcome<()> {
     for _ in 0..MAX_STACKED_MOUNTS {
-        if mount_at(path)?.is_none() {
+        if !mounts::unmount_if_mounted(path).map_err(|e| io_failure("unmount", path, e))? {
             return Ok(());
         }
-        mounts::unmount(path).map_err(|e| io_failure("unmount", path, e))?;
+    }
+    // Only here does the mount table decide: whether the last unmount
+    // left anything.
+    if mount_at(path)?.is_none() {
+        return Ok(());
     }
     Err(Failure::internal(format!(
         "{} still mounted after {MAX_STACKED_MOUNTS} unmounts",
@@ -79,7 +84,7 @@ impl Plugin {
             // Nothing to stage: the image file is bound at publish.
             return Ok(NodeStageVolumeResponse::new());
         }
-        let _mounts = self.mount_lock.lock();
+        let _paths = self.path_locks.lock(&[staging]);
         let source = self.volume_dir(id)?;
         if mount_at(staging)?.is_some() {
             return if mounts::same_file(staging, &source)
@@ -106,7 +111,7 @@ impl Plugin {
         self.stage_supported("NodeUnstageVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let staging = valid_path("staging_target_path", &req.staging_target_path)?;
-        let _mounts = self.mount_lock.lock();
+        let _paths = self.path_locks.lock(&[staging]);
         unmount_all(staging)?;
         // The staging directory belongs to the CO: it stays.
         log::info!("unstaged {id} from {}", staging.display());
@@ -137,11 +142,20 @@ impl Plugin {
             )));
         }
 
-        let _mounts = self.mount_lock.lock();
+        // The staging path too: an unstage must not remove it between the
+        // check below and the bind.
+        let staging = if !block && self.config.stage {
+            Some(valid_path("staging_target_path", &req.staging_target_path)?)
+        } else {
+            None
+        };
+        let _paths = match staging {
+            Some(staging) => self.path_locks.lock(&[staging, target]),
+            None => self.path_locks.lock(&[target]),
+        };
         let source = if block {
             self.volume_image(id)?
-        } else if self.config.stage {
-            let staging = valid_path("staging_target_path", &req.staging_target_path)?;
+        } else if let Some(staging) = staging {
             if mount_at(staging)?.is_none() {
                 return Err(Failure::precondition(format!(
                     "volume {id} is not staged at {}",
@@ -209,7 +223,7 @@ impl Plugin {
     ) -> Outcome<NodeUnpublishVolumeResponse> {
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let target = valid_path("target_path", &req.target_path)?;
-        let _mounts = self.mount_lock.lock();
+        let _paths = self.path_locks.lock(&[target]);
         unmount_all(target)?;
         // The plugin created the target; it removes it. A directory that is
         // not empty once unmounted is not ours to delete.

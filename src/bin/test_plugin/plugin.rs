@@ -7,13 +7,14 @@ use std::path::{Component, Path, PathBuf};
 
 use claimd::csi::*;
 use grpcio::{RpcStatus, RpcStatusCode};
-use parking_lot::Mutex;
 use protobuf::well_known_types::wrappers::BoolValue;
 use protobuf::{EnumOrUnknown, MessageField};
 
 use crate::call_log::CallLog;
 use crate::config::Config;
+use crate::controller_store::ControllerStore;
 use crate::faults::Faults;
+use crate::path_locks::PathLocks;
 
 /// A capability type number no CSI version defines: agents must ignore it.
 pub const UNKNOWN_CAPABILITY: i32 = 99;
@@ -57,6 +58,13 @@ impl Failure {
     }
 }
 
+/// An error of the plugin's own files (controller state): INTERNAL.
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure::internal(message)
+    }
+}
+
 pub type Outcome<T> = Result<T, Failure>;
 
 /// Per-call facts set by a fault rule that a handler must see.
@@ -68,11 +76,12 @@ pub struct Call {
 
 pub struct Plugin {
     pub config: Config,
-    /// Serialises every mount-changing node operation. Never held while a
+    /// Serialises node operations on a common staging or target path
+    /// (calls on different paths run concurrently). Never held while a
     /// fault delays a call.
-    pub mount_lock: Mutex<()>,
-    /// Serialises read-modify-write of `controller.json`.
-    pub controller_lock: Mutex<()>,
+    pub path_locks: PathLocks,
+    /// `controller.json`: serialised decisions, group-committed writes.
+    pub controller_state: ControllerStore,
     pub faults: Option<Faults>,
     pub call_log: Option<CallLog>,
 }
@@ -82,9 +91,9 @@ impl Plugin {
         Plugin {
             faults: config.faults.clone().map(Faults::new),
             call_log: config.call_log.clone().map(CallLog::new),
+            controller_state: ControllerStore::new(config.root.join("controller.json")),
             config,
-            mount_lock: Mutex::new(()),
-            controller_lock: Mutex::new(()),
+            path_locks: PathLocks::default(),
         }
     }
 

@@ -1,0 +1,265 @@
+//! `controller.json` with group commit: every controller call decides on
+//! the latest state under one mutex (so the single-node, attachment-limit
+//! and idempotency checks see every earlier change), but the fsync'd
+//! rewrites of concurrent calls are shared: while one call writes, the
+//! changes of the others pile up and the next writer makes the whole pile
+//! durable in one rewrite. A call answers only once its change (or, when it
+//! changed nothing, every change it may have read) is on disk.
+//!
+//! When nothing is pending the file is re-read on every call, so a test
+//! that edits or deletes it between calls is seen at once.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use parking_lot::{Condvar, Mutex};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::files::write_atomic;
+
+struct Commit<S> {
+    /// What is on disk as far as this process knows; refreshed from the
+    /// file whenever nothing is pending.
+    committed: S,
+    /// Changes applied but not yet durable (including the batch being
+    /// written); None when everything is durable.
+    pending: Option<S>,
+    /// Sequence number of the latest change applied to `pending`.
+    applied: u64,
+    /// Every change up to this one is on disk.
+    durable: u64,
+    /// Every change up to this one was dropped by a failed write.
+    failed: u64,
+    failure: String,
+    writing: bool,
+}
+
+/// A JSON document written atomically, with group commit.
+pub struct Store<S> {
+    path: PathBuf,
+    state: Mutex<Commit<S>>,
+    durable_changed: Condvar,
+}
+
+pub type ControllerStore = Store<crate::controller::ControllerState>;
+
+fn load<S: DeserializeOwned + Default>(path: &Path) -> Result<S, String> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|e| format!("controller state {} is invalid: {e}", path.display())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(S::default()),
+        Err(e) => Err(format!(
+            "cannot read controller state {}: {e}",
+            path.display()
+        )),
+    }
+}
+
+impl<S> Store<S>
+where
+    S: Clone + PartialEq + Default + Serialize + DeserializeOwned,
+{
+    pub fn new(path: PathBuf) -> Store<S> {
+        Store {
+            path,
+            state: Mutex::new(Commit {
+                committed: S::default(),
+                pending: None,
+                applied: 0,
+                durable: 0,
+                failed: 0,
+                failure: String::new(),
+                writing: false,
+            }),
+            durable_changed: Condvar::new(),
+        }
+    }
+
+    /// Runs `f` on the durable state (read from the file unless a write is
+    /// in flight, when the file may still be the old one).
+    pub fn read<R>(&self, f: impl FnOnce(&S) -> R) -> Result<R, String> {
+        let mut g = self.state.lock();
+        if g.pending.is_none() {
+            g.committed = load(&self.path)?;
+        }
+        Ok(f(&g.committed))
+    }
+
+    /// Applies `f` to a copy of the latest state (durable or pending).
+    /// When `f` fails nothing changes. Otherwise returns once the change,
+    /// or when `f` changed nothing the pending changes it may have based
+    /// its answer on, is durable; a failed write is an error for every
+    /// change of its batch and for those applied on top of it.
+    pub fn update<R, E: From<String>>(
+        &self,
+        f: impl FnOnce(&mut S) -> Result<R, E>,
+    ) -> Result<R, E> {
+        let mut g = self.state.lock();
+        if g.pending.is_none() {
+            g.committed = load(&self.path)?;
+        }
+        let base = g.pending.as_ref().unwrap_or(&g.committed);
+        let mut next = base.clone();
+        let r = f(&mut next)?;
+        let mine = if next != *base {
+            g.applied += 1;
+            g.pending = Some(next);
+            g.applied
+        } else {
+            g.applied
+        };
+        loop {
+            if g.durable >= mine {
+                return Ok(r);
+            }
+            if g.failed >= mine {
+                return Err(E::from(g.failure.clone()));
+            }
+            if g.writing {
+                self.durable_changed.wait(&mut g);
+                continue;
+            }
+            let Some(batch) = g.pending.clone() else {
+                // Not durable, not failed, nothing pending: impossible, but
+                // never spin on it.
+                return Err(E::from(format!(
+                    "controller state {}: change {mine} was lost",
+                    self.path.display()
+                )));
+            };
+            let upto = g.applied;
+            g.writing = true;
+            let res = parking_lot::MutexGuard::unlocked(&mut g, || self.write(&batch));
+            g.writing = false;
+            match res {
+                Ok(()) => {
+                    g.committed = batch;
+                    g.durable = upto;
+                    if g.applied == upto {
+                        g.pending = None;
+                    }
+                }
+                Err(e) => {
+                    g.failed = g.applied;
+                    g.failure = e;
+                    g.pending = None;
+                }
+            }
+            self.durable_changed.notify_all();
+        }
+    }
+
+    fn write(&self, state: &S) -> Result<(), String> {
+        let bytes = serde_json::to_vec_pretty(state)
+            .map_err(|e| format!("cannot encode controller state: {e}"))?;
+        write_atomic(&self.path, &bytes)
+            .map_err(|e| format!("cannot write controller state {}: {e}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    type Map = BTreeMap<String, u32>;
+
+    fn store() -> (tempfile::TempDir, Arc<Store<Map>>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let s = Store::new(dir.path().join("state.json"));
+        (dir, Arc::new(s))
+    }
+
+    fn on_disk(s: &Store<Map>) -> Map {
+        serde_json::from_slice(&fs::read(&s.path).expect("read")).expect("parse")
+    }
+
+    #[test]
+    fn concurrent_updates_are_all_durable_and_decided_in_order() {
+        let (_dir, s) = store();
+        std::thread::scope(|scope| {
+            for t in 0..8 {
+                let s = &s;
+                scope.spawn(move || {
+                    for i in 0..25 {
+                        s.update(|m: &mut Map| -> Result<(), String> {
+                            m.insert(format!("{t}-{i}"), i);
+                            // A counter every change reads and bumps: a lost
+                            // or reordered decision would show.
+                            *m.entry("count".into()).or_default() += 1;
+                            Ok(())
+                        })
+                        .expect("update");
+                    }
+                });
+            }
+        });
+        let m = on_disk(&s);
+        assert_eq!(m.len(), 8 * 25 + 1);
+        assert_eq!(m["count"], 8 * 25);
+    }
+
+    #[test]
+    fn failed_decision_changes_nothing() {
+        let (_dir, s) = store();
+        s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("a".into(), 1);
+            Ok(())
+        })
+        .expect("update");
+        let r = s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("b".into(), 2);
+            Err("refused".into())
+        });
+        assert_eq!(r, Err("refused".to_string()));
+        assert_eq!(on_disk(&s), Map::from([("a".into(), 1)]));
+    }
+
+    #[test]
+    fn edits_and_deletion_between_calls_are_seen() {
+        let (_dir, s) = store();
+        s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("a".into(), 1);
+            Ok(())
+        })
+        .expect("update");
+        fs::write(&s.path, r#"{"b": 2}"#).expect("edit");
+        assert_eq!(
+            s.read(|m| m.clone()).expect("read"),
+            Map::from([("b".into(), 2)])
+        );
+        fs::remove_file(&s.path).expect("delete");
+        assert_eq!(s.read(|m| m.len()).expect("read"), 0);
+        fs::write(&s.path, "{").expect("corrupt");
+        assert!(s.read(|m| m.len()).is_err());
+    }
+
+    #[test]
+    fn failed_write_fails_the_change_and_keeps_the_file() {
+        let (dir, s) = store();
+        s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("a".into(), 1);
+            Ok(())
+        })
+        .expect("update");
+        // A directory where the temporary file goes makes the write fail.
+        let tmp = dir
+            .path()
+            .join(format!("state.json.tmp-{}", std::process::id()));
+        fs::create_dir(&tmp).expect("block the temporary file");
+        let r = s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("b".into(), 2);
+            Ok(())
+        });
+        assert!(r.is_err(), "{r:?}");
+        fs::remove_dir(&tmp).expect("unblock");
+        assert_eq!(on_disk(&s), Map::from([("a".into(), 1)]));
+        assert_eq!(
+            s.read(|m| m.clone()).expect("read"),
+            Map::from([("a".into(), 1)])
+        );
+    }
+}
