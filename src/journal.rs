@@ -24,7 +24,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::claims::Claim;
-use crate::state::{AllocRecord, ClaimKey, StateFile};
+use crate::state::{AllocRecord, ClaimKey, SharedMap, StateFile};
 use crate::volumes::VolumeSpec;
 
 pub const JOURNAL_FILE: &str = "state.journal";
@@ -53,10 +53,13 @@ pub struct Delta {
 /// differs: `Some(new)` for added or changed, `None` for removed. Shared
 /// records (the same `Arc`) are skipped without comparing them.
 fn diff_maps<K: Ord + Clone, V: PartialEq>(
-    old: &BTreeMap<K, Arc<V>>,
-    new: &BTreeMap<K, Arc<V>>,
+    old: &SharedMap<K, V>,
+    new: &SharedMap<K, V>,
     mut changed: impl FnMut(&K, Option<&Arc<V>>),
 ) {
+    if SharedMap::same(old, new) {
+        return;
+    }
     let mut o = old.iter().peekable();
     let mut n = new.iter().peekable();
     loop {

@@ -147,6 +147,78 @@ pub struct AllocRecord {
 /// (volume ID, allocation ID): the key of a claim.
 pub type ClaimKey = (String, String);
 
+/// A map of shared records that is itself shared: cloning it (every state
+/// update starts from a clone) copies one pointer; the first change to a
+/// shared map copies the map, never the records. Reads go through `Deref`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SharedMap<K: Ord, V>(Arc<BTreeMap<K, Arc<V>>>);
+
+impl<K: Ord, V> Default for SharedMap<K, V> {
+    fn default() -> Self {
+        SharedMap(Arc::new(BTreeMap::new()))
+    }
+}
+
+impl<K: Ord, V> std::ops::Deref for SharedMap<K, V> {
+    type Target = BTreeMap<K, Arc<V>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl<K: Ord + Clone, V> SharedMap<K, V> {
+    pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
+        SharedMap(Arc::new(m))
+    }
+
+    /// The map for changing (copied first when shared).
+    pub fn make_mut(&mut self) -> &mut BTreeMap<K, Arc<V>> {
+        Arc::make_mut(&mut self.0)
+    }
+
+    /// Whether both are the same map (then equal without looking).
+    pub fn same(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+
+    pub fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
+        self.make_mut().insert(k, v)
+    }
+
+    pub fn remove<Q>(&mut self, k: &Q) -> Option<Arc<V>>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        if !self.0.contains_key(k) {
+            return None;
+        }
+        self.make_mut().remove(k)
+    }
+
+    pub fn get_mut<Q>(&mut self, k: &Q) -> Option<&mut Arc<V>>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        if !self.0.contains_key(k) {
+            return None;
+        }
+        self.make_mut().get_mut(k)
+    }
+
+    pub fn values_mut(&mut self) -> std::collections::btree_map::ValuesMut<'_, K, Arc<V>> {
+        self.make_mut().values_mut()
+    }
+
+    pub fn clear(&mut self) {
+        if !self.0.is_empty() {
+            self.make_mut().clear();
+        }
+    }
+}
+
 /// Everything claimd records. Records are shared (`Arc`) between the durable
 /// copy and the copies updates work on, so an update clones pointers, not
 /// records, and the journal finds what changed by pointer comparison.
@@ -157,12 +229,12 @@ pub struct StateFile {
     /// Boot ID of the kernel this state was last converged on.
     pub boot_id: String,
     #[serde(default)]
-    pub volumes: BTreeMap<String, Arc<VolumeSpec>>,
+    pub volumes: SharedMap<String, VolumeSpec>,
     /// Written as a list of claims, ordered by volume, then allocation.
     #[serde(default, with = "claim_list")]
-    pub claims: BTreeMap<ClaimKey, Arc<Claim>>,
+    pub claims: SharedMap<ClaimKey, Claim>,
     #[serde(default)]
-    pub allocs: BTreeMap<String, Arc<AllocRecord>>,
+    pub allocs: SharedMap<String, AllocRecord>,
 }
 
 /// Claims in the file are a list (as in every earlier file); in memory they
@@ -173,7 +245,7 @@ mod claim_list {
     use serde::{Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(
-        m: &BTreeMap<ClaimKey, Arc<Claim>>,
+        m: &SharedMap<ClaimKey, Claim>,
         s: S,
     ) -> Result<S::Ok, S::Error> {
         s.collect_seq(m.values())
@@ -181,7 +253,7 @@ mod claim_list {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(
         d: D,
-    ) -> Result<BTreeMap<ClaimKey, Arc<Claim>>, D::Error> {
+    ) -> Result<SharedMap<ClaimKey, Claim>, D::Error> {
         let list: Vec<Claim> = Vec::deserialize(d)?;
         let mut m = BTreeMap::new();
         for c in list {
@@ -192,7 +264,7 @@ mod claim_list {
                 ));
             }
         }
-        Ok(m)
+        Ok(SharedMap::from_map(m))
     }
 }
 
@@ -201,9 +273,9 @@ impl StateFile {
         StateFile {
             schema_version: SCHEMA_VERSION,
             boot_id: boot_id.to_string(),
-            volumes: BTreeMap::new(),
-            claims: BTreeMap::new(),
-            allocs: BTreeMap::new(),
+            volumes: SharedMap::default(),
+            claims: SharedMap::default(),
+            allocs: SharedMap::default(),
         }
     }
 
