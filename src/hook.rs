@@ -445,7 +445,7 @@ impl Manager {
                 Arc::new(AllocRecord {
                     id: alloc_id.to_string(),
                     releasing: false,
-                    volumes: wanted,
+                    volumes: wanted.into_iter().map(|(k, v)| (k, Arc::new(v))).collect(),
                 }),
             );
             Ok(true)

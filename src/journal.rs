@@ -8,10 +8,14 @@
 //! ```
 //!
 //! and a `Delta` carries whole records: the new value of every volume,
-//! claim and allocation record that changed (or its removal). Replaying the
-//! lines in order over the snapshot gives the state; replaying them over a
-//! later snapshot that already contains them changes nothing, which keeps a
-//! crash in the middle of a compaction harmless.
+//! claim, allocation added or dropped, and, inside an allocation that
+//! stays, of every volume record that changed (or its removal). Replaying
+//! the lines in order over the snapshot gives the state; replaying them over
+//! a later snapshot that already contains them changes nothing (each line
+//! sets values to what they were then, and the later lines set them to
+//! what the later snapshot holds; a change inside an allocation that the
+//! later snapshot no longer has is skipped, as a later line drops it),
+//! which keeps a crash in the middle of a compaction harmless.
 //!
 //! Only the last line can be torn by a crash (each durable write appends one
 //! line and waits for it to reach the disk before anything depends on it),
@@ -24,7 +28,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::claims::Claim;
-use crate::state::{AllocRecord, ClaimKey, SharedMap, StateFile};
+use crate::state::{AllocRecord, AllocVolume, ClaimKey, SharedMap, StateFile};
 use crate::volumes::VolumeSpec;
 
 pub const JOURNAL_FILE: &str = "state.journal";
@@ -44,22 +48,43 @@ pub struct Delta {
     /// Claims freed: [volume ID, allocation ID].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub claims_freed: Vec<ClaimKey>,
-    /// Allocation ID -> new record, or null when dropped.
+    /// Allocations added (the whole record) or dropped (null).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub allocs: BTreeMap<String, Option<Arc<AllocRecord>>>,
+    /// Allocation ID -> what changed inside an allocation that stays.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub alloc_changes: BTreeMap<String, AllocChange>,
+}
+
+/// What changed inside one allocation: its releasing flag (always given)
+/// and the volume records that changed.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocChange {
+    pub releasing: bool,
+    /// Alias -> new volume record, or null when dropped.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub volumes: BTreeMap<String, Option<Arc<AllocVolume>>>,
 }
 
 /// Walks two sorted maps side by side and reports every key whose value
 /// differs: `Some(new)` for added or changed, `None` for removed. Shared
 /// records (the same `Arc`) are skipped without comparing them.
-fn diff_maps<K: Ord + Clone, V: PartialEq>(
+fn diff_shared<K: Ord + Clone, V: PartialEq>(
     old: &SharedMap<K, V>,
     new: &SharedMap<K, V>,
+    changed: impl FnMut(&K, Option<&Arc<V>>),
+) {
+    if !SharedMap::same(old, new) {
+        diff_maps(old, new, changed);
+    }
+}
+
+fn diff_maps<K: Ord + Clone, V: PartialEq>(
+    old: &BTreeMap<K, Arc<V>>,
+    new: &BTreeMap<K, Arc<V>>,
     mut changed: impl FnMut(&K, Option<&Arc<V>>),
 ) {
-    if SharedMap::same(old, new) {
-        return;
-    }
     let mut o = old.iter().peekable();
     let mut n = new.iter().peekable();
     loop {
@@ -101,15 +126,29 @@ impl Delta {
             boot_id: (old.boot_id != new.boot_id).then(|| new.boot_id.clone()),
             ..Delta::default()
         };
-        diff_maps(&old.volumes, &new.volumes, |k, v| {
+        diff_shared(&old.volumes, &new.volumes, |k, v| {
             d.volumes.insert(k.clone(), v.cloned());
         });
-        diff_maps(&old.claims, &new.claims, |k, v| match v {
+        diff_shared(&old.claims, &new.claims, |k, v| match v {
             Some(c) => d.claims.push(c.clone()),
             None => d.claims_freed.push(k.clone()),
         });
-        diff_maps(&old.allocs, &new.allocs, |k, v| {
-            d.allocs.insert(k.clone(), v.cloned());
+        diff_shared(&old.allocs, &new.allocs, |k, v| {
+            match (old.allocs.get(k), v) {
+                (Some(o), Some(n)) if o.id == n.id => {
+                    let mut c = AllocChange {
+                        releasing: n.releasing,
+                        volumes: BTreeMap::new(),
+                    };
+                    diff_maps(&o.volumes, &n.volumes, |alias, v| {
+                        c.volumes.insert(alias.clone(), v.cloned());
+                    });
+                    d.alloc_changes.insert(k.clone(), c);
+                }
+                _ => {
+                    d.allocs.insert(k.clone(), v.cloned());
+                }
+            }
         });
         d
     }
@@ -120,6 +159,7 @@ impl Delta {
             && self.claims.is_empty()
             && self.claims_freed.is_empty()
             && self.allocs.is_empty()
+            && self.alloc_changes.is_empty()
     }
 
     pub fn apply(self, s: &mut StateFile) {
@@ -144,6 +184,20 @@ impl Delta {
                 Some(v) => s.allocs.insert(k, v),
                 None => s.allocs.remove(&k),
             };
+        }
+        for (k, c) in self.alloc_changes {
+            // Missing only when replaying over a later snapshot, where a
+            // later line drops the allocation.
+            let Some(a) = s.alloc_mut(&k) else {
+                continue;
+            };
+            a.releasing = c.releasing;
+            for (alias, v) in c.volumes {
+                match v {
+                    Some(v) => a.volumes.insert(alias, v),
+                    None => a.volumes.remove(&alias),
+                };
+            }
         }
     }
 }
@@ -283,7 +337,7 @@ mod tests {
         Arc::new(AllocRecord {
             id: id.into(),
             releasing: false,
-            volumes: [("data".to_string(), v)].into(),
+            volumes: [("data".to_string(), Arc::new(v))].into(),
         })
     }
 
@@ -305,12 +359,17 @@ mod tests {
             .insert("a3".into(), alloc("a3", Phase::Published));
         let d = Delta::between(&old, &new);
         assert_eq!(d.boot_id.as_deref(), Some("b2"));
-        assert_eq!(
-            d.allocs.keys().collect::<Vec<_>>(),
-            ["a1", "a2", "a4"],
-            "{d:?}"
-        );
+        // Added and dropped allocations are whole; a2 stays and only its
+        // changed volume is written; a3 is unchanged.
+        assert_eq!(d.allocs.keys().collect::<Vec<_>>(), ["a1", "a4"], "{d:?}");
         assert!(d.allocs["a1"].is_none());
+        assert_eq!(d.alloc_changes.keys().collect::<Vec<_>>(), ["a2"]);
+        assert_eq!(
+            d.alloc_changes["a2"].volumes["data"]
+                .as_ref()
+                .map(|v| v.phase),
+            Some(Phase::Publishing)
+        );
         let line = encode(&d).expect("encode");
         let mut replayed = old.clone();
         for d in parse(&line).expect("parse").deltas {
@@ -359,5 +418,42 @@ mod tests {
         let mut bad_last = all.clone();
         bad_last[two + 20] ^= 0x01;
         assert!(parse(&bad_last).expect("torn").torn_tail);
+    }
+
+    /// A crash between a compaction's new snapshot and its new journal
+    /// leaves the old journal; replayed over the newer snapshot it must
+    /// change nothing, also where a line changes an allocation that a later
+    /// line drops.
+    #[test]
+    fn replaying_over_a_later_snapshot_changes_nothing() {
+        let s1 = StateFile::new("b");
+        let mut lines = Vec::new();
+        let mut cur = s1.clone();
+        let mut step = |f: &dyn Fn(&mut StateFile)| {
+            let before = cur.clone();
+            f(&mut cur);
+            lines.push(encode(&Delta::between(&before, &cur)).expect("encode"));
+        };
+        step(&|s| {
+            s.allocs.insert("a1".into(), alloc("a1", Phase::Claiming));
+            s.allocs.insert("a2".into(), alloc("a2", Phase::Claiming));
+        });
+        step(&|s| s.volume_mut("a1", "data").expect("a1").phase = Phase::Staging);
+        step(&|s| s.volume_mut("a2", "data").expect("a2").phase = Phase::Published);
+        step(&|s| {
+            s.allocs.remove("a1");
+        });
+        step(&|s| s.alloc_mut("a2").expect("a2").releasing = true);
+        let s2 = cur.clone();
+        let journal = lines.concat();
+        let replay = |base: &StateFile| {
+            let mut st = base.clone();
+            for d in parse(&journal).expect("parse").deltas {
+                d.apply(&mut st);
+            }
+            st
+        };
+        assert_eq!(replay(&s1), s2, "over the snapshot it follows");
+        assert_eq!(replay(&s2), s2, "over the later snapshot");
     }
 }

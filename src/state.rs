@@ -140,8 +140,9 @@ pub struct AllocRecord {
     /// every volume goes down, whatever its phase.
     #[serde(default)]
     pub releasing: bool,
-    /// Alias -> volume.
-    pub volumes: BTreeMap<String, AllocVolume>,
+    /// Alias -> volume. Shared like the records above it, so changing one
+    /// volume of a large allocation copies pointers, not its other volumes.
+    pub volumes: BTreeMap<String, Arc<AllocVolume>>,
 }
 
 /// (volume ID, allocation ID): the key of a claim.
@@ -283,7 +284,7 @@ impl StateFile {
     pub fn alloc_volumes(&self) -> impl Iterator<Item = (&AllocRecord, &AllocVolume)> {
         self.allocs
             .values()
-            .flat_map(|a| a.volumes.values().map(move |v| (&**a, v)))
+            .flat_map(|a| a.volumes.values().map(move |v| (&**a, &**v)))
     }
 
     /// The allocation's record, for changing (copied first when shared).
@@ -292,11 +293,14 @@ impl StateFile {
     }
 
     pub fn volume_mut(&mut self, alloc: &str, alias: &str) -> Option<&mut AllocVolume> {
-        self.alloc_mut(alloc)?.volumes.get_mut(alias)
+        self.alloc_mut(alloc)?
+            .volumes
+            .get_mut(alias)
+            .map(Arc::make_mut)
     }
 
     pub fn volume(&self, alloc: &str, alias: &str) -> Option<&AllocVolume> {
-        self.allocs.get(alloc)?.volumes.get(alias)
+        self.allocs.get(alloc)?.volumes.get(alias).map(|v| &**v)
     }
 
     /// The claims on one volume.

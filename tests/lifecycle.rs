@@ -805,7 +805,7 @@ fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
     h.edit_state(|s| {
         let a = s.alloc_mut("a1").expect("a1");
         a.releasing = phase.is_teardown();
-        let v = a.volumes.get_mut("data").expect("data");
+        let v = std::sync::Arc::make_mut(a.volumes.get_mut("data").expect("data"));
         v.phase = phase;
         match phase {
             Claiming => {

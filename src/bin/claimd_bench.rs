@@ -363,7 +363,10 @@ impl StateCost {
     }
 }
 
-/// The bare client: exactly the calls the agent makes for one volume.
+/// The bare client: exactly the calls the agent makes for one volume, with
+/// the same paths in them (the agent's layout, `claimd::volumes::Paths`,
+/// under its own root), so the directories it creates and removes are the
+/// same too.
 struct Bare {
     client: CsiClient,
     node_id: String,
@@ -371,24 +374,27 @@ struct Bare {
 }
 
 impl Bare {
+    fn usage() -> claimd::volumes::Usage {
+        use claimd::volumes::{AccessMode, AttachmentMode, Usage};
+        Usage {
+            read_only: false,
+            attachment: AttachmentMode::FileSystem,
+            access_mode: AccessMode::SingleNodeWriter,
+        }
+    }
+
     fn cap() -> csi::VolumeCapability {
-        use claimd::volumes::{volume_capability, AccessMode, AttachmentMode, MountOptions, Usage};
-        volume_capability(
-            &Usage {
-                read_only: false,
-                attachment: AttachmentMode::FileSystem,
-                access_mode: AccessMode::SingleNodeWriter,
-            },
-            &MountOptions::default(),
-            &[],
-        )
+        use claimd::volumes::{volume_capability, MountOptions};
+        volume_capability(&Self::usage(), &MountOptions::default(), &[])
+    }
+
+    fn layout(&self) -> claimd::volumes::Paths {
+        claimd::volumes::Paths::new(&self.root)
     }
 
     fn paths(&self, id: &str) -> (PathBuf, PathBuf) {
-        (
-            self.root.join("staging").join(id),
-            self.root.join("per-alloc").join(id).join("t"),
-        )
+        let (p, u) = (self.layout(), Self::usage());
+        (p.staging("hp", id, &u), p.target(id, id, &u))
     }
 
     fn mount(&self, id: &str) {
@@ -436,8 +442,13 @@ impl Bare {
         self.client
             .controller_unpublish_volume(&cu)
             .expect("bare detach");
+        // As the agent: the target (the plugin may have removed it), the
+        // staging path, then their empty parents.
+        let layout = self.layout();
+        let _ = std::fs::remove_dir(&target);
+        layout.remove_empty_parents(&target);
         let _ = std::fs::remove_dir(&staging);
-        let _ = std::fs::remove_dir(target.parent().expect("parent"));
+        layout.remove_empty_parents(&staging);
     }
 }
 
@@ -727,28 +738,75 @@ fn main() {
             register(&c, &format!("v{i}"), "single-node-writer");
         }
         for (label, threads) in [("sequential", 1usize), ("concurrent", args.concurrency)] {
-            let before = stats(&c);
-            let (mount_lat, mount_wall) = run_parallel(args.n, threads, |i| {
-                mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")])
-            });
-            let mid = stats(&c);
-            let (rel_lat, rel_wall) = run_parallel(args.n, threads, |i| {
-                let r = release(&c, &format!("{label}-a{i}"), Duration::from_secs(60));
-                assert!(r.done, "release did not finish");
-            });
-            let after = stats(&c);
-            let (bare_mount, bare_mount_wall) =
-                run_parallel(args.n, threads, |i| bare.mount(&format!("{label}-b{i}")));
-            let (bare_rel, bare_rel_wall) =
-                run_parallel(args.n, threads, |i| bare.release(&format!("{label}-b{i}")));
+            // ABBA: the agent, then the bare client, on the first half of
+            // the volumes; the bare client, then the agent, on the second.
+            // The file system's history (ext4 inode allocation gets dearer
+            // as directories are created and deleted) and the machine's
+            // drift then weigh on both sides alike.
+            let half = args.n / 2;
+            let rounds = [(0, half, true), (half, args.n, false)];
+            let (mut mount_lat, mut rel_lat, mut bare_mount, mut bare_rel) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut mount_wall, mut rel_wall, mut bare_mount_wall, mut bare_rel_wall) = (
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+            );
+            let zero = w::GetStatsResponse::new();
+            let (mut mount_stats, mut rel_stats) = (zero.clone(), zero.clone());
+            let add = |acc: &mut w::GetStatsResponse,
+                       a: &w::GetStatsResponse,
+                       b: &w::GetStatsResponse| {
+                acc.state_writes += b.state_writes - a.state_writes;
+                acc.state_bytes_written += b.state_bytes_written - a.state_bytes_written;
+                acc.state_fsyncs += b.state_fsyncs - a.state_fsyncs;
+                acc.state_snapshots += b.state_snapshots - a.state_snapshots;
+            };
+            for (from, to, agent_first) in rounds {
+                let count = to - from;
+                for agent_side in [agent_first, !agent_first] {
+                    if agent_side {
+                        let before = stats(&c);
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            let i = from + i;
+                            mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")])
+                        });
+                        mount_lat.extend(lat);
+                        mount_wall += wall;
+                        let mid = stats(&c);
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            let i = from + i;
+                            let r = release(&c, &format!("{label}-a{i}"), Duration::from_secs(60));
+                            assert!(r.done, "release did not finish");
+                        });
+                        rel_lat.extend(lat);
+                        rel_wall += wall;
+                        let after = stats(&c);
+                        add(&mut mount_stats, &before, &mid);
+                        add(&mut rel_stats, &mid, &after);
+                    } else {
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            bare.mount(&format!("{label}-b{}", from + i))
+                        });
+                        bare_mount.extend(lat);
+                        bare_mount_wall += wall;
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            bare.release(&format!("{label}-b{}", from + i))
+                        });
+                        bare_rel.extend(lat);
+                        bare_rel_wall += wall;
+                    }
+                }
+            }
             let (am, bm, ar, br) = (
                 mean_ms(&mount_lat),
                 mean_ms(&bare_mount),
                 mean_ms(&rel_lat),
                 mean_ms(&bare_rel),
             );
-            let mount_cost = StateCost::between(&before, &mid, args.n);
-            let release_cost = StateCost::between(&mid, &after, args.n);
+            let mount_cost = StateCost::between(&zero, &mount_stats, args.n);
+            let release_cost = StateCost::between(&zero, &rel_stats, args.n);
             results.insert(
                 format!("{label}_mount_release"),
                 json!({
