@@ -1198,3 +1198,65 @@ fn block_volume_cycle() {
         strings(&[CP, NS, NP, NUP, NUS, CUP])
     );
 }
+
+// ---- a claim held by another allocation ----------------------------------------
+
+/// A mount whose plugin is ready claims in the write that records it; when
+/// another allocation holds the volume for writing, that write records the
+/// mount in phase `claiming` without a claim, the mount waits (status says
+/// on whom), and it claims and mounts once the holder is released.
+#[test]
+fn a_held_claim_is_waited_for_and_taken_after_the_holder_is_released() {
+    let w = World::new(|c| c.claim_retry_deadline = "60s".into());
+    w.agent
+        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    let host1 = w.mount("a1", "db");
+    assert!(is_mount_point(&host1));
+    thread::scope(|s| {
+        let second = s.spawn(|| {
+            w.agent
+                .cli(&["alloc", "mount", "a2", "--volume", "data=db", "--json"])
+        });
+        wait_until(Duration::from_secs(20), "a2 to wait for a1's claim", || {
+            let st = w.agent.cli(&["alloc", "status", "a2", "--json"]);
+            st.code == 0
+                && st.json()["allocs"][0]["volumes"][0]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("claimed for writing by allocation a1"))
+        });
+        let state = w.agent.state();
+        assert_eq!(
+            state["allocs"]["a2"]["volumes"]["data"]["phase"], "claiming",
+            "{state:#}"
+        );
+        let claims = state["claims"].as_array().expect("claims");
+        assert_eq!(claims.len(), 1, "{state:#}");
+        assert_eq!(claims[0]["alloc_id"], "a1");
+        assert!(is_mount_point(&host1));
+
+        w.agent
+            .cli(&["alloc", "release", "a1", "--wait", "30s"])
+            .ok();
+        let out = second.join().expect("the second mount").ok();
+        let host2 = PathBuf::from(
+            out.json()["volumes"][0]["host_path"]
+                .as_str()
+                .expect("host path"),
+        );
+        assert!(is_mount_point(&host2));
+        assert!(!is_mount_point(&host1));
+    });
+    let state = w.agent.state();
+    let claims = state["claims"].as_array().expect("claims");
+    assert_eq!(claims.len(), 1, "{state:#}");
+    assert_eq!(claims[0]["alloc_id"], "a2");
+    assert_eq!(
+        state["allocs"]["a2"]["volumes"]["data"]["phase"],
+        "published"
+    );
+    assert_eq!(
+        volume_methods(&w.plugin.call_log()),
+        strings(&[CP, NS, NP, NUP, NUS, CUP, CP, NS, NP])
+    );
+}

@@ -1019,7 +1019,7 @@ fn main() {
     let size = std::fs::metadata(&args.agent).map(|m| m.len()).unwrap_or(0);
     results.insert("binary_bytes".into(), json!(size));
     table.push((
-        "agent binary size".into(),
+        "agent binary size (as given to --agent; bench.sh gives the stripped static build)".into(),
         format!("{:.1} MiB", size as f64 / 1048576.0),
     ));
 
