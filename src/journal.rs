@@ -243,23 +243,34 @@ pub fn encode(delta: &Delta) -> serde_json::Result<Vec<u8>> {
     Ok(line)
 }
 
-fn decode(line: &[u8]) -> Result<Delta, String> {
+/// Why a line does not decode. Only damage a cut-off write can cause
+/// (`Torn`) is forgiven in the last line: a line whose checksum matches was
+/// written whole, so if it does not parse it is corruption wherever it is.
+enum Bad {
+    Torn(String),
+    Invalid(String),
+}
+
+fn decode(line: &[u8]) -> Result<Delta, Bad> {
     if line.len() < 9 || line[8] != b' ' {
-        return Err("no checksum".to_string());
+        return Err(Bad::Torn("no checksum".to_string()));
     }
     let want = std::str::from_utf8(&line[..8])
         .ok()
         .and_then(|h| u32::from_str_radix(h, 16).ok())
-        .ok_or("the checksum is not hexadecimal")?;
+        .ok_or_else(|| Bad::Torn("the checksum is not hexadecimal".to_string()))?;
     let json = &line[9..];
     let got = crc32c(json);
     if got != want {
-        return Err(format!(
+        return Err(Bad::Torn(format!(
             "checksum mismatch ({got:08x}, recorded {want:08x})"
-        ));
+        )));
     }
-    serde_json::from_slice(json)
-        .map_err(|e| format!("checksum matches but the change does not parse: {e}"))
+    serde_json::from_slice(json).map_err(|e| {
+        Bad::Invalid(format!(
+            "checksum matches but the change does not parse: {e}"
+        ))
+    })
 }
 
 /// A journal read back.
@@ -296,15 +307,15 @@ pub fn parse(bytes: &[u8]) -> Result<Replay, Corruption> {
         let decoded = if terminated {
             decode(line)
         } else {
-            Err("the line is not terminated".to_string())
+            Err(Bad::Torn("the line is not terminated".to_string()))
         };
         match decoded {
             Ok(d) => r.deltas.push(d),
-            Err(_) if last => {
+            Err(Bad::Torn(_)) if last => {
                 r.torn_tail = true;
                 break;
             }
-            Err(reason) => {
+            Err(Bad::Torn(reason) | Bad::Invalid(reason)) => {
                 return Err(Corruption {
                     line: line_no,
                     reason,
@@ -414,6 +425,16 @@ mod tests {
         let e = parse(&bad).expect_err("corrupt");
         assert_eq!(e.line, 2);
         assert!(e.reason.contains("checksum"), "{e:?}");
+        // A last line written whole (its checksum matches) that does not
+        // parse was not cut off: corruption, not a torn write.
+        let json = br#"{"surprise":1}"#;
+        let mut whole_bad = lines[..2].concat();
+        whole_bad.extend_from_slice(format!("{:08x} ", crc32c(json)).as_bytes());
+        whole_bad.extend_from_slice(json);
+        whole_bad.push(b'\n');
+        let e = parse(&whole_bad).expect_err("corrupt");
+        assert_eq!(e.line, 3);
+        assert!(e.reason.contains("does not parse"), "{e:?}");
         // The same damage in the last line is a torn write.
         let mut bad_last = all.clone();
         bad_last[two + 20] ^= 0x01;

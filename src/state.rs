@@ -584,7 +584,15 @@ impl StateStore {
         let loaded = read_files(&path, &journal_path)?;
         let fresh = loaded.is_none();
         let (state, replayed) = match loaded {
-            Some(l) => (l.state, l.journal_len > 0),
+            Some(l) => {
+                if l.torn_tail {
+                    log::warn!(
+                        "the last line of {} was cut off (a write interrupted by a crash); it was never acknowledged and is left out",
+                        journal_path.display()
+                    );
+                }
+                (l.state, l.journal_len > 0)
+            }
             None => (StateFile::new(boot_id), false),
         };
         for p in [&path, &journal_path] {
@@ -705,6 +713,10 @@ impl StateStore {
             g.applied += 1;
             g.pending = Some(next);
             g.applied
+        } else if g.pending.is_none() {
+            // Nothing changed and `f` read only durable state (a batch that
+            // failed earlier is not an error of this call).
+            return Ok(r);
         } else {
             g.applied
         };
@@ -788,12 +800,17 @@ impl StateStore {
     /// (or an append failed part-way).
     fn persist(&self, old: &StateFile, new: &StateFile) -> Result<(), StateError> {
         let mut j = self.journal.lock();
-        if j.broken || j.len >= JOURNAL_MIN_COMPACT.max(j.snapshot_len) {
-            return self.compact_into(&mut j, new);
-        }
         let delta = Delta::between(old, new);
         if delta.is_empty() {
             return Ok(());
+        }
+        if j.broken || j.len >= JOURNAL_MIN_COMPACT.max(j.snapshot_len) {
+            // Fold what the journal leads to (`old`, never `new`), then
+            // append the change to the new journal: a snapshot is always
+            // the end state of the journal it replaces, so a crash between
+            // the two renames replays that journal onto its own end state,
+            // which changes nothing.
+            self.compact_into(&mut j, old)?;
         }
         let line = journal::encode(&delta).map_err(|e| StateError::Write {
             path: self.journal_path.clone(),
@@ -804,15 +821,18 @@ impl StateStore {
             j.file.sync_data()
         })();
         if let Err(source) = res {
-            // Cut off whatever part of the line was written; if even that
-            // fails, the next write replaces the journal.
+            // The change failed: cut off whatever part of the line was
+            // written. If that fails, the line may be whole on disk and
+            // would be replayed by a restart: fold the durable state into a
+            // new snapshot and journal instead.
             let len = j.len;
-            if j.file
-                .set_len(len)
-                .and_then(|()| j.file.sync_data())
-                .is_err()
-            {
+            let cut = j.file.set_len(len).and_then(|()| j.file.sync_data());
+            if cut.is_err() && self.compact_into(&mut j, old).is_err() {
                 j.broken = true;
+                log::error!(
+                    "a failed write to {} could not be undone; a restart before the next successful write may still apply it",
+                    self.journal_path.display()
+                );
             }
             return Err(StateError::Write {
                 path: self.journal_path.clone(),
@@ -969,12 +989,6 @@ fn assemble(
         line: c.line,
         reason: c.reason,
     })?;
-    if replay.torn_tail {
-        log::warn!(
-            "the last line of {} was cut off (a write interrupted by a crash); it was never acknowledged and is left out",
-            journal_path.display()
-        );
-    }
     for d in replay.deltas {
         d.apply(&mut state);
     }
@@ -994,6 +1008,7 @@ pub fn load_dir(dir: &Path) -> Result<Option<Loaded>, StateError> {
     let path = dir.join(STATE_FILE);
     let journal_path = dir.join(JOURNAL_FILE);
     let ino = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let mut corrupt_reads = 0;
     for _ in 0..50 {
         let mut journal_file = match File::open(&journal_path) {
             Ok(f) => Some(f),
@@ -1027,7 +1042,19 @@ pub fn load_dir(dir: &Path) -> Result<Option<Loaded>, StateError> {
             std::thread::yield_now();
             continue;
         }
-        return assemble(&path, snapshot.as_deref(), &journal_path, &journal);
+        match assemble(&path, snapshot.as_deref(), &journal_path, &journal) {
+            // A failed append being cut off while we read can look like a
+            // damaged line followed by more: only damage that stays is
+            // corruption.
+            Err(e @ StateError::CorruptJournal { .. }) => {
+                corrupt_reads += 1;
+                if corrupt_reads >= 3 {
+                    return Err(e);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
     }
     Err(StateError::Unstable { path: path.clone() })
 }
@@ -1283,6 +1310,9 @@ mod tests {
         );
         assert!(s.read(|st| !st.volumes.contains_key("big")));
         assert!(!tmp_path(s.path()).exists(), "the temporary file was left");
+        // An update that changes nothing is not failed by the earlier batch.
+        let r: Result<u32, TestErr> = s.update(|_| Ok(7));
+        assert_eq!(r.expect("a no-op update after a failure"), 7);
         // The store still works after the failure.
         s.update::<_, TestErr>(|st| {
             st.volumes.remove("small");
@@ -1505,5 +1535,81 @@ mod tests {
         assert_eq!(v["schema_version"], 2);
         assert_eq!(v["claims"][0]["alloc_id"], "a");
         assert!(s.journal_path().exists());
+    }
+
+    /// A compaction started by a write folds the state the journal leads
+    /// to, not the write's own change: a crash between the new snapshot and
+    /// the new journal (simulated by putting the old journal back) then
+    /// replays the old journal onto its own end state. Folding the change
+    /// instead would bring back a freed claim whose allocation is gone.
+    #[test]
+    fn a_crash_inside_a_compaction_leaves_a_state_that_was_durable() {
+        use crate::claims::{ClaimMode, ClaimState};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        let claim = Claim {
+            volume_id: "v".into(),
+            alloc_id: "a".into(),
+            node: "n".into(),
+            mode: ClaimMode::Write,
+            access_mode: crate::volumes::AccessMode::SingleNodeWriter,
+            external_node_id: None,
+            publish_context: BTreeMap::new(),
+            state: ClaimState::Taken,
+        };
+        let record: AllocRecord = serde_json::from_value(serde_json::json!({
+            "id": "a", "volumes": {"data": {
+                "alias": "data", "volume_id": "v", "plugin_id": "p", "external_volume_id": "x",
+                "usage": {"read_only": false, "access_mode": "single-node-writer", "attachment": "file-system"},
+                "target_path": "/m/a", "phase": "published"}}
+        }))
+        .expect("record");
+        put(&s, "v", 10);
+        s.update::<_, TestErr>(|st| {
+            st.claims
+                .insert(("v".into(), "a".into()), Arc::new(claim.clone()));
+            st.allocs.insert("a".into(), Arc::new(record.clone()));
+            Ok(())
+        })
+        .expect("claim");
+        // The allocation and its claim are in the snapshot; from here on the
+        // journal holds only changes to them.
+        s.compact().expect("compact");
+        s.update::<_, TestErr>(|st| {
+            st.claim_mut("v", "a").expect("claim").state = ClaimState::Releasing;
+            st.alloc_mut("a").expect("a").releasing = true;
+            Ok(())
+        })
+        .expect("mark");
+        // Grow the journal past the threshold.
+        put(&s, "big", (JOURNAL_MIN_COMPACT + 1024) as usize);
+        assert_eq!(s.write_stats().snapshots, 1);
+        let before = s.snapshot();
+        let old_journal = std::fs::read(s.journal_path()).expect("read");
+        // The release's last write: free the claim, drop the allocation.
+        s.update::<_, TestErr>(|st| {
+            st.claims.remove(&("v".to_string(), "a".to_string()));
+            st.allocs.remove("a");
+            Ok(())
+        })
+        .expect("free");
+        assert_eq!(s.write_stats().snapshots, 2, "the write compacted");
+        let after = s.snapshot();
+        assert!(on_disk(dir.path()) == after);
+        // The crash: the new snapshot with the old journal still in place.
+        std::fs::write(s.journal_path(), &old_journal).expect("put the old journal back");
+        let crashed = on_disk(dir.path());
+        assert!(
+            crashed == before,
+            "the state on disk must be one that was durable: claims {:?}, allocations {:?}",
+            crashed.claims.keys().collect::<Vec<_>>(),
+            crashed.allocs.keys().collect::<Vec<_>>()
+        );
+        for (volume, alloc) in crashed.claims.keys() {
+            assert!(
+                crashed.allocs.contains_key(alloc),
+                "claim on {volume} held by {alloc}, which has no record"
+            );
+        }
     }
 }
