@@ -804,13 +804,29 @@ impl StateStore {
         if delta.is_empty() {
             return Ok(());
         }
-        if j.broken || j.len >= JOURNAL_MIN_COMPACT.max(j.snapshot_len) {
+        if j.broken {
+            // The journal may end in a partial line: nothing may follow it.
+            self.compact_into(&mut j, old)?;
+        } else if j.len >= JOURNAL_MIN_COMPACT.max(j.snapshot_len) {
             // Fold what the journal leads to (`old`, never `new`), then
             // append the change to the new journal: a snapshot is always
             // the end state of the journal it replaces, so a crash between
             // the two renames replays that journal onto its own end state,
             // which changes nothing.
-            self.compact_into(&mut j, old)?;
+            if let Err(e) = self.compact_into(&mut j, old) {
+                // A full disk may have no room for a snapshot yet room for
+                // a line. Appending stays correct as long as the journal
+                // file is still the one at the journal's path (any new
+                // snapshot is `old`, the end state of this journal); the
+                // next write tries the compaction again.
+                if !same_file(&j.file, &self.journal_path) {
+                    return Err(e);
+                }
+                log::warn!(
+                    "{}; appending to the journal instead",
+                    crate::error_chain(&e)
+                );
+            }
         }
         let line = journal::encode(&delta).map_err(|e| StateError::Write {
             path: self.journal_path.clone(),
@@ -864,6 +880,14 @@ impl StateStore {
         self.writes.fetch_add(1, Ordering::Relaxed);
         self.snapshots.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// Whether `file` is the file at `path` now.
+fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
     }
 }
 
@@ -1260,30 +1284,39 @@ mod tests {
         assert!((1..=40).contains(&writes), "{writes} writes");
     }
 
+    /// A small tmpfs mounted on a test's directory, unmounted on drop.
+    struct SmallFs(std::ffi::CString);
+
+    impl SmallFs {
+        fn mount(dir: &Path, opts: &std::ffi::CStr) -> SmallFs {
+            let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("path");
+            let fs = c"tmpfs";
+            // SAFETY: plain mount(2) of a small tmpfs on our own temp dir.
+            let rc = unsafe {
+                libc::mount(
+                    fs.as_ptr(),
+                    c.as_ptr(),
+                    fs.as_ptr(),
+                    0,
+                    opts.as_ptr().cast(),
+                )
+            };
+            assert_eq!(rc, 0, "mount tmpfs: {}", io::Error::last_os_error());
+            SmallFs(c)
+        }
+    }
+
+    impl Drop for SmallFs {
+        fn drop(&mut self) {
+            // SAFETY: umount2(2) of the tmpfs mounted above.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+
     #[test]
     fn disk_full_fails_the_update_and_keeps_the_old_file() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let c = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).expect("path");
-        let (fs, opts) = (c"tmpfs", c"size=64k");
-        // SAFETY: plain mount(2) of a small tmpfs on our own temp dir.
-        let rc = unsafe {
-            libc::mount(
-                fs.as_ptr(),
-                c.as_ptr(),
-                fs.as_ptr(),
-                0,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "mount tmpfs: {}", io::Error::last_os_error());
-        struct Unmount(std::ffi::CString);
-        impl Drop for Unmount {
-            fn drop(&mut self) {
-                // SAFETY: umount2(2) of the tmpfs mounted above.
-                unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
-            }
-        }
-        let _unmount = Unmount(c.clone());
+        let _unmount = SmallFs::mount(dir.path(), c"size=64k");
         let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
         s.update::<_, TestErr>(|st| {
             st.volumes.insert("small".into(), spec("small"));
@@ -1611,5 +1644,44 @@ mod tests {
                 "claim on {volume} held by {alloc}, which has no record"
             );
         }
+    }
+
+    /// On a disk with no room for a snapshot but room for a line, a change
+    /// that finds the journal due for compaction is appended instead, and
+    /// the compaction happens once there is room.
+    #[test]
+    fn a_full_disk_defers_the_compaction_and_still_appends() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let _unmount = SmallFs::mount(dir.path(), c"size=4m");
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("open");
+        // One line past the compaction threshold.
+        put(&s, "big", (JOURNAL_MIN_COMPACT + 64 * 1024) as usize);
+        assert_eq!(s.write_stats().snapshots, 0);
+        // Leave less room than a snapshot needs (about 1.1 MiB), more than a
+        // line does.
+        let filler = dir.path().join("filler");
+        let free = {
+            // SAFETY: statvfs(2) into a zeroed struct we own.
+            let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+            let c =
+                std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).expect("path");
+            assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+            st.f_bavail * st.f_frsize
+        };
+        std::fs::write(&filler, vec![0u8; (free - 256 * 1024) as usize]).expect("filler");
+        put(&s, "small", 10);
+        assert_eq!(s.write_stats().snapshots, 0, "no room for a snapshot");
+        assert!(
+            on_disk(dir.path()) == s.snapshot(),
+            "the change was appended"
+        );
+        // With room again, the next change compacts.
+        std::fs::remove_file(&filler).expect("rm filler");
+        put(&s, "small2", 10);
+        assert_eq!(s.write_stats().snapshots, 1);
+        assert!(on_disk(dir.path()) == s.snapshot());
+        drop(s);
+        let s = StateStore::open_with_boot_id(dir.path(), "b").expect("reopen");
+        assert_eq!(s.read(|st| st.volumes.len()), 3);
     }
 }
