@@ -1,4 +1,4 @@
-//! The agent process: state, plugins, the lifecycle manager, restore, and a
+//! The agent process: state, plugins, the lifecycle, restore, and a
 //! graceful stop bounded by the longest CSI deadline.
 
 use std::fmt;
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::api::ApiServer;
 use crate::claims::EmbeddedClaims;
 use crate::config::Config;
-use crate::hook::{Manager, ManagerOptions};
+use crate::lifecycle::{Lifecycle, LifecycleOptions};
 use crate::plugins::{Registry, RegistryOptions};
 use crate::shutdown::Shutdown;
 use crate::state::{StateError, StateStore};
@@ -65,7 +65,7 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> AgentError 
 pub struct Agent {
     pub config: Config,
     pub shutdown: Shutdown,
-    pub manager: Manager,
+    pub lifecycle: Lifecycle,
     pub registry: Registry,
     pub dev: bool,
     api: ApiServer,
@@ -100,32 +100,32 @@ impl Agent {
         )
         .map_err(io_err("failed to start the plugin registry"))?;
         let claims = Arc::new(EmbeddedClaims::new(store.clone()));
-        let mut opts = ManagerOptions::new(&config.mount_root, &config.node_name);
+        let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);
         opts.plugin_wait = config.timeouts.plugin_wait;
         opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
         opts.release_retry_deadline = config.timeouts.release_retry_deadline;
         opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
-        let manager = Manager::new(store, claims, registry.clone(), opts, shutdown.clone());
-        let report = manager.restore();
+        let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
+        let report = lifecycle.restore();
         for e in &report.errors {
             log::error!("restore: {e}");
         }
         // Requests are served only once the restore has run.
-        let api = match ApiServer::start(env, &config.api_socket, manager.clone(), registry.clone())
-        {
-            Ok(api) => api,
-            Err(e) => {
-                shutdown.trigger();
-                let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
-                manager.join(deadline);
-                registry.join(deadline);
-                return Err(AgentError::Api(e));
-            }
-        };
+        let api =
+            match ApiServer::start(env, &config.api_socket, lifecycle.clone(), registry.clone()) {
+                Ok(api) => api,
+                Err(e) => {
+                    shutdown.trigger();
+                    let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
+                    lifecycle.join(deadline);
+                    registry.join(deadline);
+                    return Err(AgentError::Api(e));
+                }
+            };
         Ok(Agent {
             config,
             shutdown,
-            manager,
+            lifecycle,
             registry,
             dev,
             api,
@@ -139,7 +139,7 @@ impl Agent {
         let api_left = self.api.stop(Instant::now() + STOP_SLACK);
         if self.dev {
             let allocs: Vec<String> = self
-                .manager
+                .lifecycle
                 .store()
                 .read(|s| s.allocs.keys().cloned().collect());
             if !allocs.is_empty() {
@@ -150,13 +150,13 @@ impl Agent {
             }
             let deadline = Instant::now() + DEV_RELEASE_DEADLINE;
             for a in &allocs {
-                if let Err(e) = self.manager.release(a) {
+                if let Err(e) = self.lifecycle.release(a) {
                     log::warn!("dev mode: release of {a}: {}", crate::error_chain(&e));
                 }
             }
             for a in &allocs {
                 let left = deadline.saturating_duration_since(Instant::now());
-                if !self.manager.wait_released(a, left) {
+                if !self.lifecycle.wait_released(a, left) {
                     log::warn!(
                         "dev mode: allocation {a} not released before the deadline; leaving it"
                     );
@@ -166,14 +166,14 @@ impl Agent {
         self.shutdown.trigger();
         let deadline = Instant::now() + self.config.timeouts.csi_call + STOP_SLACK;
         let mut left = api_left;
-        left.extend(self.manager.join(deadline));
+        left.extend(self.lifecycle.join(deadline));
         left.extend(self.registry.join(deadline));
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));
         }
         // Leave one complete state.json behind (the next start would fold
         // the journal in anyway).
-        if let Err(e) = self.manager.store().compact() {
+        if let Err(e) = self.lifecycle.store().compact() {
             log::warn!("{}", crate::error_chain(&e));
         }
         if self.dev {

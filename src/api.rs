@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use grpcio::{RpcContext, RpcStatus, RpcStatusCode, UnarySink};
 use parking_lot::Mutex;
 
-use crate::hook::{
-    AllocStatus, Manager, MountError, MountedVolume, ReleaseError, ReleaseStart, ReleaseState,
+use crate::lifecycle::{
+    AllocStatus, Lifecycle, MountError, MountedVolume, ReleaseError, ReleaseStart, ReleaseState,
     VolumeRegistryError,
 };
 use crate::plugins::{PluginSnapshot, Registry};
@@ -52,6 +52,7 @@ fn mount_status(e: &MountError) -> RpcStatus {
         }
         MountError::Claim { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::Csi { .. } => RpcStatusCode::INTERNAL,
+        MountError::Timeout { .. } => RpcStatusCode::DEADLINE_EXCEEDED,
         MountError::State(_) => RpcStatusCode::INTERNAL,
         MountError::Shutdown => RpcStatusCode::UNAVAILABLE,
     };
@@ -261,7 +262,7 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
 
 #[derive(Clone)]
 struct Service {
-    manager: Manager,
+    lifecycle: Lifecycle,
     registry: Registry,
     threads: Arc<Mutex<Option<Threads>>>,
 }
@@ -323,7 +324,7 @@ impl grpc::Claimd for Service {
                     format!("volume {}: {e}", v.id),
                 )
             })?;
-            s.manager
+            s.lifecycle
                 .register_volume(spec)
                 .map_err(|e| registry_status(&e))?;
             log::info!("volume {} registered", v.id);
@@ -339,7 +340,7 @@ impl grpc::Claimd for Service {
     ) {
         self.run(&ctx, "deregister", sink, move |s| {
             let found = s
-                .manager
+                .lifecycle
                 .deregister_volume(&req.volume_id)
                 .map_err(|e| registry_status(&e))?;
             let mut r = w::DeregisterVolumeResponse::new();
@@ -357,7 +358,7 @@ impl grpc::Claimd for Service {
         self.run(&ctx, "list-volumes", sink, |s| {
             let mut r = w::ListVolumesResponse::new();
             r.volumes = s
-                .manager
+                .lifecycle
                 .list_volumes()
                 .iter()
                 .map(volume_to_wire)
@@ -380,7 +381,7 @@ impl grpc::Claimd for Service {
                 .collect::<Result<_, _>>()
                 .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e))?;
             let mounted = s
-                .manager
+                .lifecycle
                 .mount(&req.alloc_id, &reqs)
                 .map_err(|e| mount_status(&e))?;
             let mut r = w::MountAllocResponse::new();
@@ -397,20 +398,20 @@ impl grpc::Claimd for Service {
     ) {
         self.run(&ctx, "release", sink, move |s| {
             let started = s
-                .manager
+                .lifecycle
                 .release(&req.alloc_id)
                 .map_err(|e| release_status(&e))?;
             let mut r = w::ReleaseAllocResponse::new();
             r.found = started == ReleaseStart::Started;
             r.done = if r.found {
                 let wait = Duration::from_millis(req.wait_ms).min(MAX_RELEASE_WAIT);
-                s.manager.wait_released(&req.alloc_id, wait)
+                s.lifecycle.wait_released(&req.alloc_id, wait)
             } else {
                 true
             };
             if r.found {
                 r.volumes = s
-                    .manager
+                    .lifecycle
                     .release_status(&req.alloc_id)
                     .iter()
                     .map(|(alias, st)| {
@@ -437,7 +438,7 @@ impl grpc::Claimd for Service {
         self.run(&ctx, "get-alloc", sink, move |s| {
             crate::ids::check_id("allocation", &req.alloc_id)
                 .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e.to_string()))?;
-            match s.manager.alloc_status(&req.alloc_id) {
+            match s.lifecycle.alloc_status(&req.alloc_id) {
                 Some(a) => {
                     let mut r = w::GetAllocResponse::new();
                     r.alloc = protobuf::MessageField::some(alloc_to_wire(&a));
@@ -459,7 +460,12 @@ impl grpc::Claimd for Service {
     ) {
         self.run(&ctx, "list-allocs", sink, |s| {
             let mut r = w::ListAllocsResponse::new();
-            r.allocs = s.manager.list_allocs().iter().map(alloc_to_wire).collect();
+            r.allocs = s
+                .lifecycle
+                .list_allocs()
+                .iter()
+                .map(alloc_to_wire)
+                .collect();
             Ok(r)
         });
     }
@@ -471,7 +477,7 @@ impl grpc::Claimd for Service {
         sink: UnarySink<w::GetStatsResponse>,
     ) {
         self.run(&ctx, "stats", sink, |s| {
-            let store = s.manager.store();
+            let store = s.lifecycle.store();
             let ws = store.write_stats();
             let mut r = w::GetStatsResponse::new();
             r.state_writes = ws.writes;
@@ -585,7 +591,7 @@ impl ApiServer {
     pub fn start(
         env: Arc<grpcio::Environment>,
         socket: &Path,
-        manager: Manager,
+        lifecycle: Lifecycle,
         registry: Registry,
     ) -> Result<ApiServer, ApiError> {
         if let Some(dir) = socket.parent() {
@@ -612,7 +618,7 @@ impl ApiServer {
         }
         let threads = Arc::new(Mutex::new(Some(Threads::new())));
         let service = grpc::create_claimd(Service {
-            manager,
+            lifecycle,
             registry,
             threads: threads.clone(),
         });

@@ -1,8 +1,14 @@
-//! The claim lifecycle end to end at library level: `Manager` against the
-//! real test plugin process over a real unix socket, with real bind mounts.
-//! Every test asserts the exact lifecycle calls the plugin received (order,
-//! counts, node IDs, paths), the mounts in /proc/self/mountinfo, and the
-//! state file and claim list.
+//! The claim lifecycle end to end at library level: `Lifecycle` against
+//! the real test plugin process over a real unix socket, with real bind
+//! mounts. Every test asserts the exact lifecycle calls the plugin received
+//! (order, counts, node IDs, paths), the mounts in /proc/self/mountinfo,
+//! and the state file and claim list.
+//!
+//! Every test runs twice (see `both_stores!` at the end): against the
+//! embedded claim store that ships (`embedded::*`), and against a
+//! remote-like store that makes its own round trip before the local record
+//! is written (`remote::*`), so both paths of the claim-store contract are
+//! proven.
 
 mod common;
 mod lifecycle_support;
@@ -13,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::thread;
 
 use claimd::claims::{Claim, ClaimError, ClaimMode, ClaimState};
-use claimd::hook::{
+use claimd::lifecycle::{
     MountError, MountedVolume, ReleaseError, ReleaseStart, ReleaseState, RestoreReport,
     VolumeRegistryError,
 };
@@ -153,7 +159,6 @@ fn released(aliases: &[&str]) -> BTreeMap<String, ReleaseState> {
 
 // ---- 1. Mount and release ------------------------------------------------
 
-#[test]
 fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -270,7 +275,6 @@ fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     assert_eq!(h.lifecycle_calls().len(), 6);
 }
 
-#[test]
 fn read_only_request_gives_a_read_only_mount() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -323,7 +327,6 @@ fn read_only_request_gives_a_read_only_mount() {
 
 // ---- 2. A final claim error ------------------------------------------------
 
-#[test]
 fn final_claim_error_mounts_nothing_and_claims_nothing() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -360,7 +363,6 @@ fn final_claim_error_mounts_nothing_and_claims_nothing() {
 
 // ---- 3. A claim held by another allocation ---------------------------------
 
-#[test]
 fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -438,7 +440,6 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
     assert!(!h.state_on_disk().allocs.contains_key("a1"));
 }
 
-#[test]
 fn releasing_an_allocation_that_waits_for_a_claim_leaks_no_claim() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -486,7 +487,6 @@ fn releasing_an_allocation_that_waits_for_a_claim_leaks_no_claim() {
 
 // ---- 4. Two allocations, one staged volume -------------------------------------
 
-#[test]
 fn two_allocations_share_one_staging_and_one_attachment() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
@@ -661,7 +661,6 @@ fn release_two_allocations(h: &Harness, skip: usize) {
     assert_all_released(h);
 }
 
-#[test]
 fn restore_with_everything_mounted_costs_no_call_and_no_claim() {
     let mut h = Harness::new();
     let points = mount_two_allocations(&h);
@@ -711,7 +710,6 @@ fn restore_with_everything_mounted_costs_no_call_and_no_claim() {
     release_two_allocations(&h, n);
 }
 
-#[test]
 fn restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims() {
     let mut h = Harness::new();
     let points = mount_two_allocations(&h);
@@ -933,7 +931,6 @@ fn restore_converges_from(phase: Phase, happened: bool) {
     }
 }
 
-#[test]
 fn restore_converges_from_every_up_phase() {
     for phase in [
         Phase::Claiming,
@@ -947,7 +944,6 @@ fn restore_converges_from_every_up_phase() {
     }
 }
 
-#[test]
 fn restore_converges_from_every_teardown_phase() {
     for phase in [
         Phase::Unpublishing,
@@ -961,7 +957,6 @@ fn restore_converges_from_every_teardown_phase() {
     }
 }
 
-#[test]
 fn restore_after_a_reboot_converges_from_in_flight_phases() {
     for phase in [
         Phase::ControllerPublishing,
@@ -1011,7 +1006,6 @@ fn restore_after_a_reboot_converges_from_in_flight_phases() {
 
 // ---- 8. Retried NodeUnpublish; controller detach last, recorded node ID ----
 
-#[test]
 fn failing_node_unpublish_is_retried_and_detach_comes_last() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1052,7 +1046,6 @@ fn failing_node_unpublish_is_retried_and_detach_comes_last() {
     assert_all_released(&h);
 }
 
-#[test]
 fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node_id() {
     let mut h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1112,7 +1105,6 @@ fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node
 
 // ---- 9. Ten volumes, one stuck ------------------------------------------------
 
-#[test]
 fn one_stuck_volume_does_not_hold_back_the_other_nine() {
     let h = Harness::new();
     let vols: Vec<String> = (0..10).map(|i| format!("v{i}")).collect();
@@ -1195,7 +1187,6 @@ fn one_stuck_volume_does_not_hold_back_the_other_nine() {
 
 // ---- 10. A corrupt state file ------------------------------------------------
 
-#[test]
 fn corrupt_state_file_is_refused_named_and_left_untouched() {
     let mut h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1230,7 +1221,6 @@ fn corrupt_state_file_is_refused_named_and_left_untouched() {
 
 // ---- 11. IDs that could escape a directory ----------------------------------
 
-#[test]
 fn bad_ids_are_refused_before_anything_touches_the_disk() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1295,7 +1285,6 @@ fn bad_ids_are_refused_before_anything_touches_the_disk() {
 
 // ---- Failed mounts roll back -------------------------------------------------
 
-#[test]
 fn final_node_publish_error_rolls_back_stage_attachment_and_claim() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1335,7 +1324,6 @@ fn final_node_publish_error_rolls_back_stage_attachment_and_claim() {
     assert_all_released(&h);
 }
 
-#[test]
 fn failure_of_the_second_volume_rolls_back_the_first() {
     let h = Harness::new();
     h.register(spec("v1", &[AccessMode::SingleNodeWriter]));
@@ -1374,7 +1362,6 @@ fn failure_of_the_second_volume_rolls_back_the_first() {
 
 // ---- Plugins without staging or controller -------------------------------------
 
-#[test]
 fn plugin_without_stage_or_controller_gets_only_the_calls_it_advertises() {
     /// Plugin flags, expected up calls, expected down calls, staging used.
     type Case<'a> = (&'a [&'a str], &'a [&'a str], &'a [&'a str], bool);
@@ -1426,7 +1413,6 @@ fn plugin_without_stage_or_controller_gets_only_the_calls_it_advertises() {
 
 // ---- A release while a mount's call is in flight ------------------------------
 
-#[test]
 fn release_during_an_in_flight_stage_converges_to_released() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1477,7 +1463,6 @@ fn release_during_an_in_flight_stage_converges_to_released() {
 /// restore (and with it the API that would release the holder) hostage:
 /// the restore returns after its bound, the claim wait goes on in the
 /// background, and the mount completes once the holder is released.
-#[test]
 fn restore_does_not_block_on_a_claim_held_by_another_allocation() {
     let mut h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
@@ -1531,3 +1516,140 @@ fn restore_does_not_block_on_a_claim_held_by_another_allocation() {
     assert!(mount_points_under(&h.mount_root).is_empty());
     assert!(h.m().claims().list().is_empty());
 }
+
+// ---- The remote-like store's own path --------------------------------------
+
+/// The claims of the local state file alone (no remote claims merged in).
+fn local_claims(h: &Harness) -> usize {
+    claimd::state::load_dir(&h.state_dir)
+        .expect("state reads back")
+        .expect("a state")
+        .state
+        .claims
+        .len()
+}
+
+/// With a store that lives outside the agent, the claim is taken by a
+/// round trip before the local record changes, never kept in the state
+/// file, and an unreachable store is retried, not fatal.
+#[test]
+fn remote_store_unreachable_during_mount_is_retried_and_claims_stay_remote() {
+    with_store(StoreKind::Remote, || {
+        let h = Harness::new();
+        h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+        h.wait_plugin_ready();
+        h.claims().fail_next(3);
+        let mounted = h
+            .m()
+            .mount("a1", &[request("data", "v", false)])
+            .expect("mounts once the store answers");
+        assert_eq!(mounted.len(), 1);
+        assert!(is_mount_point(&mounted[0].host_path));
+        let log = h.claims().remote_log();
+        let takes = log.iter().filter(|l| *l == "take v a1").count();
+        assert_eq!(
+            takes, 4,
+            "three failed takes, then one that went through: {log:?}"
+        );
+        assert_eq!(
+            log.last().map(String::as_str),
+            Some("attach v a1"),
+            "{log:?}"
+        );
+        assert_eq!(local_claims(&h), 0, "claims are never in the local state");
+        let claims = h.m().claims().list();
+        assert_eq!(claims.len(), 1);
+        assert_eq!(claims[0].state, ClaimState::Taken);
+        assert_eq!(
+            claims[0].external_node_id.as_deref(),
+            Some(PLUGIN_NODE_ID),
+            "the attachment is recorded with the claim"
+        );
+        assert_eq!(
+            h.calls_since(0),
+            ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v")])
+        );
+    });
+}
+
+/// A release with the store cut off does the node side and the detach at
+/// once, then frees the claim when the store answers again.
+#[test]
+fn remote_store_unreachable_during_release_frees_the_claim_when_it_answers() {
+    with_store(StoreKind::Remote, || {
+        let h = Harness::new();
+        h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+        h.m()
+            .mount("a1", &[request("data", "v", false)])
+            .expect("mount");
+        let before = h.claims().remote_log().len();
+        // Marking the claim fails (in the release's first write and in the
+        // worker), and so do the first two frees: the node side and the
+        // detach do not wait for the store.
+        h.claims().fail_verb("mark-releasing", 2);
+        h.claims().fail_verb("free", 2);
+        assert_eq!(h.m().release("a1").expect("release"), ReleaseStart::Started);
+        assert!(h.m().wait_released("a1", WAIT), "release did not end");
+        assert_eq!(h.m().release_status("a1"), released(&["data"]));
+        let log = h.claims().remote_log()[before..].to_vec();
+        assert_eq!(
+            log,
+            [
+                "mark-releasing v a1",
+                "mark-releasing v a1",
+                "free v a1",
+                "free v a1",
+                "free v a1"
+            ],
+            "each change is asked again until the store answers"
+        );
+        assert_eq!(
+            h.calls_since(3),
+            ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+        );
+        assert_all_released(&h);
+    });
+}
+
+// ---- Every test, against both claim stores ----------------------------------
+
+macro_rules! both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod embedded {
+            $(#[test]
+            fn $name() {
+                super::with_store(super::StoreKind::Embedded, super::$name);
+            })*
+        }
+        mod remote {
+            $(#[test]
+            fn $name() {
+                super::with_store(super::StoreKind::Remote, super::$name);
+            })*
+        }
+    };
+}
+
+both_stores!(
+    mount_then_release_sends_the_exact_calls_and_leaves_nothing,
+    read_only_request_gives_a_read_only_mount,
+    final_claim_error_mounts_nothing_and_claims_nothing,
+    second_writer_waits_for_the_held_claim_then_gets_the_volume,
+    releasing_an_allocation_that_waits_for_a_claim_leaks_no_claim,
+    two_allocations_share_one_staging_and_one_attachment,
+    restore_with_everything_mounted_costs_no_call_and_no_claim,
+    restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims,
+    restore_converges_from_every_up_phase,
+    restore_converges_from_every_teardown_phase,
+    restore_after_a_reboot_converges_from_in_flight_phases,
+    failing_node_unpublish_is_retried_and_detach_comes_last,
+    release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node_id,
+    one_stuck_volume_does_not_hold_back_the_other_nine,
+    corrupt_state_file_is_refused_named_and_left_untouched,
+    bad_ids_are_refused_before_anything_touches_the_disk,
+    final_node_publish_error_rolls_back_stage_attachment_and_claim,
+    failure_of_the_second_volume_rolls_back_the_first,
+    plugin_without_stage_or_controller_gets_only_the_calls_it_advertises,
+    release_during_an_in_flight_stage_converges_to_released,
+    restore_does_not_block_on_a_claim_held_by_another_allocation,
+);

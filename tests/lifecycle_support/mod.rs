@@ -1,6 +1,7 @@
 //! Harness for `tests/lifecycle.rs`: the real test plugin, a plugin
-//! registry, a state store, a claim store that counts (and can refuse)
-//! claims, and a `Manager`, all on one test directory; plus a "restart"
+//! registry, a state store, a claim store (the embedded one or a
+//! remote-like one, see `claims.rs`) that counts (and can refuse) claims,
+//! and a `Lifecycle`, all on one test directory; plus a "restart"
 //! that stops every thread, drops the store (releasing its lock) and builds
 //! everything again on the same directories, optionally with a new boot ID.
 #![allow(dead_code)]
@@ -11,22 +12,22 @@ use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use claimd::claims::{Claim, ClaimError, ClaimRequest, ClaimStore, EmbeddedClaims};
 use claimd::config::{PluginConfig, PluginType};
-use claimd::hook::{Manager, ManagerOptions, RestoreReport};
+use claimd::lifecycle::{Lifecycle, LifecycleOptions, RestoreReport};
 use claimd::plugins::{PluginKind, Registry, RegistryOptions};
 use claimd::retry::BackoffPolicy;
 use claimd::shutdown::Shutdown;
 use claimd::state::{StateError, StateFile, StateStore, STATE_FILE};
 use claimd::volumes::{AccessMode, AttachmentMode, MountOptions, VolumeRequest, VolumeSpec};
-use parking_lot::Mutex;
 use serde_json::Value;
 
 use crate::common::*;
+
+mod claims;
+pub use claims::{store_kind, with_store, RemoteClaims, StoreKind, TestClaims};
 
 /// The plugin ID every test volume uses.
 pub const PLUGIN: &str = "testplug";
@@ -99,92 +100,25 @@ pub fn publish_context(volume: &str, node_id: &str) -> BTreeMap<String, String> 
     ])
 }
 
-// ---- A claim store that counts -------------------------------------------------
-
-/// The embedded claim store, counting calls, optionally refusing every
-/// claim with a final error.
-pub struct CountingClaims {
-    inner: EmbeddedClaims,
-    claims: AtomicUsize,
-    releases: AtomicUsize,
-    refuse: Mutex<Option<String>>,
-}
-
-impl CountingClaims {
-    pub fn new(store: Arc<StateStore>) -> CountingClaims {
-        CountingClaims {
-            inner: EmbeddedClaims::new(store),
-            claims: AtomicUsize::new(0),
-            releases: AtomicUsize::new(0),
-            refuse: Mutex::new(None),
-        }
-    }
-
-    /// Calls of `claim` since this store was built.
-    pub fn claim_calls(&self) -> usize {
-        self.claims.load(Ordering::SeqCst)
-    }
-
-    /// Calls of `release` since this store was built.
-    pub fn release_calls(&self) -> usize {
-        self.releases.load(Ordering::SeqCst)
-    }
-
-    /// Every claim from now on fails with a final error.
-    pub fn refuse(&self, reason: &str) {
-        *self.refuse.lock() = Some(reason.to_string());
-    }
-}
-
-impl ClaimStore for CountingClaims {
-    fn claim(&self, req: &ClaimRequest) -> Result<Claim, ClaimError> {
-        self.claims.fetch_add(1, Ordering::SeqCst);
-        if let Some(reason) = self.refuse.lock().clone() {
-            return Err(ClaimError::Impossible {
-                volume_id: req.volume_id.clone(),
-                reason,
-            });
-        }
-        self.inner.claim(req)
-    }
-
-    fn record_attachment(
-        &self,
-        volume_id: &str,
-        alloc_id: &str,
-        external_node_id: &str,
-        publish_context: &BTreeMap<String, String>,
-    ) -> Result<(), ClaimError> {
-        self.inner
-            .record_attachment(volume_id, alloc_id, external_node_id, publish_context)
-    }
-
-    fn mark_releasing(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
-        self.inner.mark_releasing(volume_id, alloc_id)
-    }
-
-    fn release(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(volume_id, alloc_id)
-    }
-
-    fn list(&self) -> Vec<Claim> {
-        self.inner.list()
-    }
-}
-
 // ---- One "agent": store, claims, registry, manager ---------------------------
 
 pub struct Running {
     pub shutdown: Shutdown,
     pub registry: Registry,
     pub store: Arc<StateStore>,
-    pub claims: Arc<CountingClaims>,
-    pub manager: Manager,
+    pub claims: Arc<TestClaims>,
+    pub manager: Lifecycle,
 }
 
 impl Running {
-    fn start(state_dir: &Path, mount_root: &Path, socket: &Path, boot_id: &str) -> Running {
+    fn start(
+        state_dir: &Path,
+        mount_root: &Path,
+        socket: &Path,
+        boot_id: &str,
+        kind: StoreKind,
+        remote: &RemoteClaims,
+    ) -> Running {
         let store = Arc::new(
             StateStore::open_with_boot_id(state_dir, boot_id).expect("open the state store"),
         );
@@ -204,9 +138,9 @@ impl Running {
             shutdown.clone(),
         )
         .expect("start the plugin registry");
-        let claims = Arc::new(CountingClaims::new(store.clone()));
+        let claims = Arc::new(TestClaims::new(kind, store.clone(), remote.clone()));
         let backoff = BackoffPolicy::new(Duration::from_millis(50), Duration::from_millis(200));
-        let mut opts = ManagerOptions::new(mount_root, NODE_NAME);
+        let mut opts = LifecycleOptions::new(mount_root, NODE_NAME);
         opts.plugin_wait = Duration::from_secs(15);
         opts.claim_retry_deadline = Duration::from_secs(30);
         opts.claim_backoff = backoff;
@@ -214,7 +148,7 @@ impl Running {
         opts.release_retry_deadline = Duration::from_secs(60);
         opts.csi_backoff = backoff;
         opts.restore_wait = Duration::from_secs(5);
-        let manager = Manager::new(
+        let manager = Lifecycle::new(
             store.clone(),
             claims.clone(),
             registry.clone(),
@@ -276,6 +210,10 @@ pub struct Harness {
     pub state_dir: PathBuf,
     pub mount_root: PathBuf,
     pub boot_id: String,
+    /// The claim store kind of this test (see `with_store`).
+    pub store_kind: StoreKind,
+    /// The remote-like store's claims: outlive every restart.
+    pub remote: RemoteClaims,
     /// The canonical test directory (the plugin lives in `<base>/plugin`).
     pub base: PathBuf,
     // Last: unmounts everything under it, then removes it.
@@ -301,6 +239,8 @@ impl Harness {
             state_dir: base.join("state"),
             mount_root,
             boot_id: FIRST_BOOT.to_string(),
+            store_kind: store_kind(),
+            remote: RemoteClaims::default(),
             base,
             dir,
         };
@@ -315,6 +255,8 @@ impl Harness {
             &self.mount_root,
             &self.plugin.socket,
             &self.boot_id,
+            self.store_kind,
+            &self.remote,
         ));
     }
 
@@ -322,11 +264,11 @@ impl Harness {
         self.running.as_ref().expect("the manager is running")
     }
 
-    pub fn m(&self) -> &Manager {
+    pub fn m(&self) -> &Lifecycle {
         &self.running().manager
     }
 
-    pub fn claims(&self) -> &CountingClaims {
+    pub fn claims(&self) -> &TestClaims {
         &self.running().claims
     }
 
@@ -374,36 +316,66 @@ impl Harness {
         self.m().restore()
     }
 
-    /// Edits the stopped agent's state through a store of its own.
+    /// Edits the stopped agent's state through a store of its own. With
+    /// the remote-like claim store, `f` sees (and edits) its claims as if
+    /// they were in the state: they are moved in before and back after.
     pub fn edit_state(&self, f: impl FnOnce(&mut StateFile)) {
         assert!(self.running.is_none(), "stop the manager first");
         let store =
             StateStore::open_with_boot_id(&self.state_dir, &self.boot_id).expect("open state");
         store
             .update::<_, StateError>(|s| {
+                self.claims_into(s);
                 f(s);
+                if self.store_kind == StoreKind::Remote {
+                    let mut remote = self.remote.lock();
+                    remote.clear();
+                    for (k, c) in s.claims.iter() {
+                        remote.insert(k.clone(), (**c).clone());
+                    }
+                    s.claims.clear();
+                }
                 Ok(())
             })
             .expect("write state");
+    }
+
+    /// With the remote-like claim store, puts its claims into `s` (where
+    /// the embedded store keeps them), so one view serves both kinds.
+    fn claims_into(&self, s: &mut StateFile) {
+        if self.store_kind == StoreKind::Remote {
+            assert!(
+                s.claims.is_empty(),
+                "claims in the local state: {:?}",
+                s.claims
+            );
+            for (k, c) in self.remote.lock().iter() {
+                s.claims.insert(k.clone(), Arc::new(c.clone()));
+            }
+        }
     }
 
     pub fn state_path(&self) -> PathBuf {
         self.state_dir.join(STATE_FILE)
     }
 
-    /// The state as it is on disk: the snapshot with the journal replayed.
+    /// The durable state: the snapshot with the journal replayed (and, with
+    /// the remote-like claim store, the claims it holds).
     pub fn state_on_disk(&self) -> StateFile {
-        claimd::state::load_dir(&self.state_dir)
+        let mut s = claimd::state::load_dir(&self.state_dir)
             .expect("the state on disk reads back")
             .expect("there is a state on disk")
-            .state
+            .state;
+        self.claims_into(&mut s);
+        s
     }
 
     /// The bytes of the snapshot and of the journal.
     pub fn state_bytes(&self) -> (Vec<u8>, Vec<u8>) {
         (
             fs::read(self.state_path()).expect("read the snapshot"),
-            fs::read(self.state_dir.join(claimd::journal::JOURNAL_FILE)).expect("read the journal"),
+            fs::read(self.state_dir.join(claimd::state::journal::JOURNAL_FILE))
+                .expect("read the journal"),
         )
     }
 

@@ -27,8 +27,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::claims::Claim;
-use crate::state::{AllocRecord, AllocVolume, ClaimKey, SharedMap, StateFile};
+use super::model::{AllocRecord, AllocVolume, Claim, ClaimKey, SharedMap, StateFile};
 use crate::volumes::VolumeSpec;
 
 pub const JOURNAL_FILE: &str = "state.journal";
@@ -330,7 +329,7 @@ pub fn parse(bytes: &[u8]) -> Result<Replay, Corruption> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{AllocVolume, Phase};
+    use crate::state::Phase;
 
     #[test]
     fn crc32c_check_value() {

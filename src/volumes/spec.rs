@@ -1,10 +1,8 @@
-//! Volumes as claimd knows them: the registered volume spec, the usage an
-//! allocation asks for, the path layout under the mount root, and the CSI
-//! requests built from them.
+//! The registered volume spec, the usage an allocation asks for, and the
+//! checks on both.
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -377,93 +375,11 @@ pub fn validate_requests(alloc_id: &str, reqs: &[VolumeRequest]) -> Result<(), S
     Ok(())
 }
 
-/// Where things live under the mount root.
-#[derive(Clone, Debug)]
-pub struct Paths {
-    pub mount_root: PathBuf,
-}
-
-impl Paths {
-    pub fn new(mount_root: &Path) -> Paths {
-        Paths {
-            mount_root: mount_root.to_path_buf(),
-        }
-    }
-
-    /// `<root>/staging/<plugin>/<volume>/<usage>`
-    pub fn staging(&self, plugin_id: &str, volume_id: &str, usage: &Usage) -> PathBuf {
-        self.mount_root
-            .join("staging")
-            .join(plugin_id)
-            .join(volume_id)
-            .join(usage.dir_name())
-    }
-
-    /// `<root>/per-alloc/<alloc>/<volume>/<usage>`
-    pub fn target(&self, alloc_id: &str, volume_id: &str, usage: &Usage) -> PathBuf {
-        self.mount_root
-            .join("per-alloc")
-            .join(alloc_id)
-            .join(volume_id)
-            .join(usage.dir_name())
-    }
-
-    /// Removes `path`'s empty parents up to (not including) the mount root's
-    /// `staging` / `per-alloc` directories. Never removes anything that is
-    /// not empty.
-    pub fn remove_empty_parents(&self, path: &Path) {
-        let stops = [
-            self.mount_root.clone(),
-            self.mount_root.join("staging"),
-            self.mount_root.join("per-alloc"),
-        ];
-        let mut cur = path.parent();
-        while let Some(dir) = cur {
-            if !dir.starts_with(&self.mount_root) || stops.iter().any(|s| s == dir) {
-                break;
-            }
-            if std::fs::remove_dir(dir).is_err() {
-                break;
-            }
-            cur = dir.parent();
-        }
-    }
-}
-
-/// The CSI volume capability for a usage.
-pub fn volume_capability(
-    usage: &Usage,
-    opts: &MountOptions,
-    extra_flags: &[String],
-) -> csi::VolumeCapability {
-    let mut cap = csi::VolumeCapability::new();
-    let mut mode = csi::volume_capability::AccessMode::new();
-    mode.mode = usage.access_mode.to_csi().into();
-    cap.access_mode = protobuf::MessageField::some(mode);
-    match usage.attachment {
-        AttachmentMode::BlockDevice => {
-            cap.access_type = Some(csi::volume_capability::Access_type::Block(
-                csi::volume_capability::BlockVolume::new(),
-            ));
-        }
-        AttachmentMode::FileSystem => {
-            let mut m = csi::volume_capability::MountVolume::new();
-            m.fs_type = opts.fs_type.clone();
-            m.mount_flags = opts
-                .mount_flags
-                .iter()
-                .chain(extra_flags)
-                .cloned()
-                .collect();
-            cap.access_type = Some(csi::volume_capability::Access_type::Mount(m));
-        }
-    }
-    cap
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::volumes::Paths;
+    use std::path::{Path, PathBuf};
 
     fn spec(modes: &[AccessMode]) -> VolumeSpec {
         VolumeSpec {

@@ -1,0 +1,456 @@
+//! `claimd-bench`: measures the agent against bare CSI calls to the same
+//! test plugin in the same run, restart recovery, release fan-out, memory
+//! and state-file cost. Prints a table and writes JSON. Not shipped.
+//!
+//! Run through `packaging/bench.sh` (release build, real mounts, as root).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use claimd::api::wire as w;
+use claimd::csi::CsiClient;
+use grpcio::CallOption;
+use serde_json::{json, Value};
+
+const CALL: Duration = Duration::from_secs(60);
+
+fn opt() -> CallOption {
+    CallOption::default().timeout(CALL)
+}
+
+struct Args {
+    agent: PathBuf,
+    plugin: PathBuf,
+    out: PathBuf,
+    n: usize,
+    restart_n: usize,
+    fanout: usize,
+    fanout_delay_ms: u64,
+    concurrency: usize,
+    only: Vec<String>,
+}
+
+const SECTIONS: &[&str] = &["overhead", "restart", "fanout"];
+
+impl Args {
+    fn runs(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| s == section)
+    }
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        agent: PathBuf::new(),
+        plugin: PathBuf::new(),
+        out: PathBuf::from("target/bench/results.json"),
+        n: 200,
+        restart_n: 1000,
+        fanout: 100,
+        fanout_delay_ms: 20,
+        concurrency: 16,
+        only: Vec::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--agent" => a.agent = PathBuf::from(val()?),
+            "--plugin" => a.plugin = PathBuf::from(val()?),
+            "--out" => a.out = PathBuf::from(val()?),
+            "--n" => a.n = val()?.parse().map_err(|e| format!("--n: {e}"))?,
+            "--restart-n" => {
+                a.restart_n = val()?.parse().map_err(|e| format!("--restart-n: {e}"))?
+            }
+            "--fanout" => a.fanout = val()?.parse().map_err(|e| format!("--fanout: {e}"))?,
+            "--concurrency" => {
+                a.concurrency = val()?.parse().map_err(|e| format!("--concurrency: {e}"))?
+            }
+            "--fanout-delay-ms" => {
+                a.fanout_delay_ms = val()?
+                    .parse()
+                    .map_err(|e| format!("--fanout-delay-ms: {e}"))?
+            }
+            "--only" => {
+                for section in val()?.split(',') {
+                    if !SECTIONS.contains(&section) {
+                        return Err(format!(
+                            "--only: unknown section {section:?} (sections: {})",
+                            SECTIONS.join(",")
+                        ));
+                    }
+                    a.only.push(section.to_string());
+                }
+            }
+            "-h" | "--help" => {
+                println!(
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--only {}]",
+                    SECTIONS.join(",")
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if a.agent.as_os_str().is_empty() || a.plugin.as_os_str().is_empty() {
+        return Err("--agent and --plugin are required".into());
+    }
+    if a.fanout < 2 {
+        return Err("--fanout must be at least 2 (one hung volume and the others)".into());
+    }
+    Ok(a)
+}
+
+mod bare;
+mod fanout;
+mod support;
+
+use bare::*;
+use fanout::*;
+use support::*;
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("claimd-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let env = claimd::csi::grpc_environment("bench-grpc");
+    let mut results = serde_json::Map::new();
+    let mut table: Vec<(String, String)> = Vec::new();
+
+    // ---- 1. mount and release overhead, and 4. idle footprint -------------
+    if args.runs("overhead") {
+        let mut s = Scratch::new();
+        let setup = start_plugin(&args, &mut s);
+        let (agent, _) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        wait_for("the plugin to be ready", Duration::from_secs(30), || {
+            c.raw()
+                .list_plugins(&w::ListPluginsRequest::new(), opt())
+                .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"))
+        });
+        // Idle footprint with nothing recorded.
+        let (rss0, peak0) = rss_and_peak(agent.pid());
+        let threads0 = proc_status(agent.pid(), "Threads:");
+        results.insert("idle_rss_kib_0_allocs".into(), json!(rss0));
+        results.insert("idle_peak_rss_kib_0_allocs".into(), json!(peak0));
+        results.insert("idle_threads".into(), json!(threads0));
+        table.push((
+            "idle RSS / peak RSS (VmHWM), 0 allocations".into(),
+            mib_pair(rss0, peak0),
+        ));
+        table.push(("threads at idle".into(), threads0.to_string()));
+
+        let bare = Bare {
+            client: CsiClient::new(env.clone(), &setup.plugin_socket, CALL),
+            node_id: CsiClient::new(env.clone(), &setup.plugin_socket, CALL)
+                .node_get_info()
+                .expect("node info")
+                .node_id,
+            root: s.dir.join("bare"),
+        };
+        for i in 0..args.n {
+            register(&c, &format!("v{i}"), "single-node-writer");
+        }
+        for (label, threads) in [("sequential", 1usize), ("concurrent", args.concurrency)] {
+            // ABBA: the agent, then the bare client, on the first half of
+            // the volumes; the bare client, then the agent, on the second.
+            // The file system's history (ext4 inode allocation gets dearer
+            // as directories are created and deleted) and the machine's
+            // drift then weigh on both sides alike.
+            let half = args.n / 2;
+            let rounds = [(0, half, true), (half, args.n, false)];
+            let (mut mount_lat, mut rel_lat, mut bare_mount, mut bare_rel) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut mount_wall, mut rel_wall, mut bare_mount_wall, mut bare_rel_wall) = (
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+            );
+            let zero = w::GetStatsResponse::new();
+            let (mut mount_stats, mut rel_stats) = (zero.clone(), zero.clone());
+            let add = |acc: &mut w::GetStatsResponse,
+                       a: &w::GetStatsResponse,
+                       b: &w::GetStatsResponse| {
+                acc.state_writes += b.state_writes - a.state_writes;
+                acc.state_bytes_written += b.state_bytes_written - a.state_bytes_written;
+                acc.state_fsyncs += b.state_fsyncs - a.state_fsyncs;
+                acc.state_snapshots += b.state_snapshots - a.state_snapshots;
+            };
+            for (from, to, agent_first) in rounds {
+                let count = to - from;
+                for agent_side in [agent_first, !agent_first] {
+                    if agent_side {
+                        let before = stats(&c);
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            let i = from + i;
+                            mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")])
+                        });
+                        mount_lat.extend(lat);
+                        mount_wall += wall;
+                        let mid = stats(&c);
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            let i = from + i;
+                            let r = release(&c, &format!("{label}-a{i}"), Duration::from_secs(60));
+                            assert!(r.done, "release did not finish");
+                        });
+                        rel_lat.extend(lat);
+                        rel_wall += wall;
+                        let after = stats(&c);
+                        add(&mut mount_stats, &before, &mid);
+                        add(&mut rel_stats, &mid, &after);
+                    } else {
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            bare.mount(&format!("{label}-b{}", from + i))
+                        });
+                        bare_mount.extend(lat);
+                        bare_mount_wall += wall;
+                        let (lat, wall) = run_parallel(count, threads, |i| {
+                            bare.release(&format!("{label}-b{}", from + i))
+                        });
+                        bare_rel.extend(lat);
+                        bare_rel_wall += wall;
+                    }
+                }
+            }
+            let (am, bm, ar, br) = (
+                mean_ms(&mount_lat),
+                mean_ms(&bare_mount),
+                mean_ms(&rel_lat),
+                mean_ms(&bare_rel),
+            );
+            let mount_cost = StateCost::between(&zero, &mount_stats, args.n);
+            let release_cost = StateCost::between(&zero, &rel_stats, args.n);
+            results.insert(
+                format!("{label}_mount_release"),
+                json!({
+                    "threads": threads, "volumes": args.n,
+                    "agent_mount_ms_mean": am, "bare_mount_ms_mean": bm, "mount_ratio": am / bm,
+                    "agent_release_ms_mean": ar, "bare_release_ms_mean": br, "release_ratio": ar / br,
+                    "agent_mount_wall_s": mount_wall.as_secs_f64(), "bare_mount_wall_s": bare_mount_wall.as_secs_f64(),
+                    "agent_release_wall_s": rel_wall.as_secs_f64(), "bare_release_wall_s": bare_rel_wall.as_secs_f64(),
+                    "state_per_mount": mount_cost.json(),
+                    "state_per_release": release_cost.json(),
+                }),
+            );
+            table.push((
+                format!("{label} ({threads} at a time): mount, agent vs bare"),
+                format!("{am:.2} ms vs {bm:.2} ms = {:.2}x", am / bm),
+            ));
+            table.push((
+                format!("{label}: release, agent vs bare"),
+                format!("{ar:.2} ms vs {br:.2} ms = {:.2}x", ar / br),
+            ));
+            table.push((
+                format!("{label}: wall time for {} mounts, agent vs bare", args.n),
+                format!(
+                    "{:.2} s vs {:.2} s = {:.2}x",
+                    mount_wall.as_secs_f64(),
+                    bare_mount_wall.as_secs_f64(),
+                    mount_wall.as_secs_f64() / bare_mount_wall.as_secs_f64()
+                ),
+            ));
+            table.push((
+                format!("{label}: state fsyncs per mount / per release (GetStats)"),
+                format!("{:.2} / {:.2}", mount_cost.fsyncs, release_cost.fsyncs),
+            ));
+            table.push((
+                format!("{label}: state writes / KiB / snapshots per mount"),
+                mount_cost.row(),
+            ));
+            table.push((
+                format!("{label}: state writes / KiB / snapshots per release"),
+                release_cost.row(),
+            ));
+        }
+        let (rss, peak) = rss_and_peak(agent.pid());
+        results.insert(
+            "rss_kib_after_overhead".into(),
+            json!({"rss": rss, "peak": peak}),
+        );
+        table.push((
+            format!(
+                "RSS / peak RSS (VmHWM) after {} mounts and releases x2",
+                args.n
+            ),
+            mib_pair(rss, peak),
+        ));
+        agent.stop();
+    }
+
+    // ---- 2. restart recovery, 4. footprint with many, 5. write cost -------
+    if args.runs("restart") {
+        let mut s = Scratch::new();
+        let setup = start_plugin(&args, &mut s);
+        let (agent, _) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        register(&c, "shared", "multi-node-multi-writer");
+        for i in 0..args.restart_n {
+            register(&c, &format!("r{i}"), "single-node-writer");
+        }
+        run_parallel(args.restart_n, args.concurrency, |i| {
+            mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
+        });
+        let (rss_n, peak) = rss_and_peak(agent.pid());
+        // Write cost of one more mount and release with N on record.
+        let b = stats(&c);
+        mount(&c, "one-more", &["shared".to_string()]);
+        let m = stats(&c);
+        release(&c, "one-more", Duration::from_secs(60));
+        let e = stats(&c);
+        results.insert(
+            "state_cost_with_n_on_record".into(),
+            json!({
+                "allocs_on_record": args.restart_n,
+                "writes_per_mount": m.state_writes - b.state_writes,
+                "bytes_per_mount": m.state_bytes_written - b.state_bytes_written,
+                "writes_per_release": e.state_writes - m.state_writes,
+                "bytes_per_release": e.state_bytes_written - m.state_bytes_written,
+                "per_mount": StateCost::between(&b, &m, 1).json(),
+                "per_release": StateCost::between(&m, &e, 1).json(),
+            }),
+        );
+        table.push((
+            format!(
+                "state writes / KiB / snapshots per mount with {} on record",
+                args.restart_n
+            ),
+            StateCost::between(&b, &m, 1).row(),
+        ));
+        table.push((
+            format!(
+                "state fsyncs per mount / per release with {} on record (GetStats)",
+                args.restart_n
+            ),
+            format!(
+                "{} / {}",
+                m.state_fsyncs - b.state_fsyncs,
+                e.state_fsyncs - m.state_fsyncs
+            ),
+        ));
+        results.insert("rss_kib_n_allocs".into(), json!(rss_n));
+        results.insert("peak_rss_kib_n_allocs".into(), json!(peak));
+        table.push((
+            format!("RSS / peak RSS (VmHWM) with {} allocations", args.restart_n),
+            mib_pair(rss_n, peak),
+        ));
+        // 100 concurrent mounts: writes per mount.
+        for i in 0..100 {
+            register(&c, &format!("c{i}"), "single-node-writer");
+        }
+        let b = stats(&c);
+        run_parallel(100, 100, |i| {
+            mount(&c, &format!("c-a{i}"), &[format!("c{i}")])
+        });
+        let e = stats(&c);
+        let cost = StateCost::between(&b, &e, 100);
+        results.insert("writes_per_mount_100_concurrent".into(), json!(cost.writes));
+        results.insert("state_per_mount_100_concurrent".into(), cost.json());
+        table.push((
+            "state writes / KiB / snapshots per mount, 100 concurrent".into(),
+            cost.row(),
+        ));
+        table.push((
+            "state fsyncs per mount, 100 concurrent (GetStats)".into(),
+            format!("{:.2}", cost.fsyncs),
+        ));
+        run_parallel(100, 16, |i| {
+            release(&c, &format!("c-a{i}"), Duration::from_secs(60));
+        });
+
+        let calls_before = volume_calls(&setup.call_log);
+        agent.kill();
+        let (agent, started) = Agent::start(&args, &setup);
+        let c = api(&setup, &env);
+        let allocs = c
+            .raw()
+            .list_allocs(&w::ListAllocsRequest::new(), opt())
+            .expect("list");
+        let recovered = started.elapsed();
+        let published = allocs
+            .allocs
+            .iter()
+            .filter(|a| a.volumes.iter().all(|v| v.phase == "published"))
+            .count();
+        assert_eq!(published, args.restart_n, "not every allocation came back");
+        let calls_after = volume_calls(&setup.call_log);
+        let new_calls: usize =
+            calls_after.values().sum::<usize>() - calls_before.values().sum::<usize>();
+        results.insert(
+            "restart_recovery".into(),
+            json!({"allocs": args.restart_n, "seconds_to_all_reported_mounted": recovered.as_secs_f64(),
+                   "csi_volume_calls": new_calls}),
+        );
+        table.push((
+            format!(
+                "restart after SIGKILL with {} mounted: time to all reported",
+                args.restart_n
+            ),
+            format!(
+                "{:.3} s, {new_calls} CSI volume calls",
+                recovered.as_secs_f64()
+            ),
+        ));
+        let (rss_restart, peak_restart) = rss_and_peak(agent.pid());
+        results.insert(
+            "idle_rss_kib_n_allocs_after_restart".into(),
+            json!(rss_restart),
+        );
+        results.insert(
+            "peak_rss_kib_n_allocs_after_restart".into(),
+            json!(peak_restart),
+        );
+        table.push((
+            format!(
+                "idle RSS / peak RSS (VmHWM) after restart with {} allocations",
+                args.restart_n
+            ),
+            mib_pair(rss_restart, peak_restart),
+        ));
+        run_parallel(args.restart_n, args.concurrency, |i| {
+            release(&c, &format!("r-a{i}"), Duration::from_secs(60));
+        });
+        agent.stop();
+    }
+
+    // ---- 3. release fan-out with one hung volume ---------------------------
+    if args.runs("fanout") {
+        // As the plugin comes: teardown as fast as its syscalls and fsyncs.
+        fanout(&args, &env, None, &mut results, &mut table);
+        // Every teardown call delayed: what is left is the agent's
+        // parallelism, not the plugin's throughput.
+        if args.fanout_delay_ms > 0 {
+            fanout(
+                &args,
+                &env,
+                Some(Duration::from_millis(args.fanout_delay_ms)),
+                &mut results,
+                &mut table,
+            );
+        }
+    }
+
+    let size = std::fs::metadata(&args.agent).map(|m| m.len()).unwrap_or(0);
+    results.insert("binary_bytes".into(), json!(size));
+    table.push((
+        "agent binary size (as given to --agent; bench.sh gives the stripped static build)".into(),
+        format!("{:.1} MiB", size as f64 / 1048576.0),
+    ));
+
+    let width = table.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in &table {
+        println!("{k:<width$}  {v}");
+    }
+    if let Some(dir) = args.out.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(
+        &args.out,
+        serde_json::to_string_pretty(&Value::Object(results)).expect("json"),
+    )
+    .expect("write results");
+    println!("results written to {}", args.out.display());
+}

@@ -1,0 +1,203 @@
+//! Claims: which allocation may use which volume, and how.
+//!
+//! The contract is transactional. A claim change is a value
+//! ([`ClaimChange`]: take, record an attachment, mark releasing, free) that
+//! a [`ClaimStore`] applies together with the lifecycle record change it
+//! belongs to ([`Transaction`]). The embedded store ([`EmbeddedClaims`])
+//! keeps claims in claimd's own state and folds both into one journal line;
+//! a store that spans nodes makes its own round trip first, outside every
+//! state lock, and then writes the local record. The lifecycle never asks
+//! which kind of store it has.
+//!
+//! The access-mode rules of the CSI spec live in `rules`; the claim
+//! records themselves are part of the state model (`crate::state::Claim`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::state::{StateError, StateFile};
+use crate::volumes::AccessMode;
+
+mod embedded;
+mod rules;
+
+pub use crate::state::{Claim, ClaimMode, ClaimState};
+pub use embedded::EmbeddedClaims;
+pub use rules::check_claim;
+
+/// What a take asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimRequest {
+    pub volume_id: String,
+    pub alloc_id: String,
+    pub node: String,
+    pub mode: ClaimMode,
+    pub access_mode: AccessMode,
+}
+
+/// One change of one claim. Every change is idempotent: applying it again
+/// (after a crash between the store's round trip and the local record)
+/// changes nothing more.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimChange {
+    /// Take the claim, or confirm it when this allocation holds it already.
+    Take(ClaimRequest),
+    /// Record the external node ID and publish context of the attachment.
+    Attach {
+        volume_id: String,
+        alloc_id: String,
+        external_node_id: String,
+        publish_context: BTreeMap<String, String>,
+    },
+    /// The allocation is releasing the volume (the claim is still held).
+    MarkReleasing { volume_id: String, alloc_id: String },
+    /// Free the claim; freeing a claim that is not held succeeds.
+    Free { volume_id: String, alloc_id: String },
+}
+
+impl ClaimChange {
+    pub fn volume_id(&self) -> &str {
+        match self {
+            ClaimChange::Take(r) => &r.volume_id,
+            ClaimChange::Attach { volume_id, .. }
+            | ClaimChange::MarkReleasing { volume_id, .. }
+            | ClaimChange::Free { volume_id, .. } => volume_id,
+        }
+    }
+
+    pub fn alloc_id(&self) -> &str {
+        match self {
+            ClaimChange::Take(r) => &r.alloc_id,
+            ClaimChange::Attach { alloc_id, .. }
+            | ClaimChange::MarkReleasing { alloc_id, .. }
+            | ClaimChange::Free { alloc_id, .. } => alloc_id,
+        }
+    }
+
+    /// A short name for logs and call logs.
+    pub fn verb(&self) -> &'static str {
+        match self {
+            ClaimChange::Take(_) => "take",
+            ClaimChange::Attach { .. } => "attach",
+            ClaimChange::MarkReleasing { .. } => "mark-releasing",
+            ClaimChange::Free { .. } => "free",
+        }
+    }
+}
+
+/// The outcome of each change of a transaction, in the order asked.
+pub type Outcomes = [Result<(), ClaimError>];
+
+/// Claim changes and the record change they belong to.
+pub struct Transaction<'a> {
+    /// Applied one by one; each may be refused on its own (a take held by
+    /// another allocation) without undoing the others.
+    pub changes: Vec<ClaimChange>,
+    /// Whether the local record still wants the changes. Checked before any
+    /// change is made; when false, nothing is changed anywhere.
+    pub wanted: &'a dyn Fn(&StateFile) -> bool,
+    /// The local record change, given the outcome of every change. Made
+    /// durable with the changes (embedded) or right after them (remote).
+    pub record: &'a mut dyn FnMut(&mut StateFile, &Outcomes),
+}
+
+/// What became of a transaction.
+#[derive(Debug)]
+pub enum Applied {
+    /// `wanted` said no: nothing was changed.
+    NotWanted,
+    /// The record change was made durable; one outcome per change.
+    Done(Vec<Result<(), ClaimError>>),
+}
+
+impl Applied {
+    /// The outcome of a transaction of one change: Ok(false) when not
+    /// wanted, Ok(true) when done, the change's error when refused.
+    pub fn single(self) -> Result<bool, ClaimError> {
+        match self {
+            Applied::NotWanted => Ok(false),
+            Applied::Done(mut v) => v.pop().unwrap_or(Ok(())).map(|()| true),
+        }
+    }
+}
+
+/// Where claims are kept. A store is built on the agent's state store (the
+/// one its record changes are written to).
+pub trait ClaimStore: Send + Sync {
+    /// Applies the transaction's claim changes together with its record
+    /// change. A failed local write is the `Err`; refusals of single
+    /// changes are in the outcomes.
+    fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError>;
+    /// Every claim the store holds (in cluster stores: every node's).
+    fn list(&self) -> Vec<Claim>;
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimError {
+    /// Another allocation holds a claim that conflicts; it may let go soon.
+    HeldByOther {
+        volume_id: String,
+        holder: String,
+        holder_mode: ClaimMode,
+        holder_node: String,
+    },
+    /// The claim can never be granted as asked.
+    Impossible {
+        volume_id: String,
+        reason: String,
+    },
+    UnknownVolume {
+        volume_id: String,
+    },
+    /// The store could not be reached or did not answer in time: the change
+    /// may or may not have been made (every change is idempotent, so it is
+    /// asked again).
+    Unavailable {
+        store: String,
+        reason: String,
+    },
+}
+
+impl ClaimError {
+    /// "Held by another allocation" and an unreachable store are worth
+    /// retrying; other refusals are final.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            ClaimError::HeldByOther { .. } | ClaimError::Unavailable { .. }
+        )
+    }
+}
+
+impl fmt::Display for ClaimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClaimError::HeldByOther {
+                volume_id,
+                holder,
+                holder_mode,
+                holder_node,
+            } => {
+                let how = match holder_mode {
+                    ClaimMode::Write => "for writing",
+                    ClaimMode::Read => "for reading",
+                };
+                write!(
+                    f,
+                    "volume {volume_id} is claimed {how} by allocation {holder} on node {holder_node}"
+                )
+            }
+            ClaimError::Impossible { volume_id, reason } => {
+                write!(f, "volume {volume_id} cannot be claimed: {reason}")
+            }
+            ClaimError::UnknownVolume { volume_id } => {
+                write!(f, "volume {volume_id} is not registered")
+            }
+            ClaimError::Unavailable { store, reason } => {
+                write!(f, "the claim store {store} is unavailable: {reason}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ClaimError {}

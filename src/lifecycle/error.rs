@@ -1,0 +1,307 @@
+//! Errors of the lifecycle: of one step (classified, asked whether a retry
+//! can help), of a mount, of a release, of the volume registry.
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+use crate::claims::ClaimError;
+use crate::csi::CsiError;
+use crate::plugins::WaitError;
+use crate::state::StateError;
+use crate::volumes::lock::LockTimeout;
+use crate::volumes::mounted::StillMounted;
+use crate::volumes::SpecError;
+
+/// Why one step of a volume did not go through.
+#[derive(Debug)]
+pub enum StepError {
+    Csi(CsiError),
+    Claim(ClaimError),
+    State(StateError),
+    /// The plugin the step needs is not ready.
+    Plugin(WaitError),
+    /// Another operation of the volume holds its lock.
+    Lock(LockTimeout),
+    StillMounted(StillMounted),
+    CreateDir {
+        path: PathBuf,
+        source: io::Error,
+    },
+    /// The volume needs a controller attachment and no controller plugin
+    /// is ready for it.
+    NoController {
+        plugin_id: String,
+    },
+    /// The record no longer wants this step (released, or changed).
+    Gone {
+        why: String,
+    },
+    UnknownVolume {
+        volume_id: String,
+    },
+}
+
+impl StepError {
+    /// Whether trying the same step again later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StepError::Csi(e) => e.is_retryable(),
+            StepError::Claim(e) => e.is_retryable(),
+            StepError::State(_)
+            | StepError::Plugin(_)
+            | StepError::Lock(_)
+            | StepError::StillMounted(_)
+            | StepError::CreateDir { .. }
+            | StepError::NoController { .. } => true,
+            StepError::Gone { .. } | StepError::UnknownVolume { .. } => false,
+        }
+    }
+}
+
+impl fmt::Display for StepError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Wrapped errors speak for themselves (their cause follows in the
+        // chain); the others say what went wrong.
+        match self {
+            StepError::Csi(e) => e.fmt(f),
+            StepError::Claim(e) => e.fmt(f),
+            StepError::State(e) => e.fmt(f),
+            StepError::Plugin(e) => e.fmt(f),
+            StepError::Lock(e) => e.fmt(f),
+            StepError::StillMounted(e) => e.fmt(f),
+            StepError::CreateDir { path, .. } => write!(f, "cannot create {}", path.display()),
+            StepError::NoController { plugin_id } => {
+                write!(f, "controller plugin {plugin_id} is not available")
+            }
+            StepError::Gone { why } => f.write_str(why),
+            StepError::UnknownVolume { volume_id } => {
+                write!(f, "volume {volume_id} is not registered")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StepError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StepError::Csi(e) => e.source(),
+            StepError::Claim(e) => e.source(),
+            StepError::State(e) => e.source(),
+            StepError::Plugin(e) => e.source(),
+            StepError::Lock(e) => e.source(),
+            StepError::StillMounted(e) => e.source(),
+            StepError::CreateDir { source, .. } => Some(source),
+            StepError::NoController { .. }
+            | StepError::Gone { .. }
+            | StepError::UnknownVolume { .. } => None,
+        }
+    }
+}
+
+impl From<StateError> for StepError {
+    fn from(e: StateError) -> Self {
+        StepError::State(e)
+    }
+}
+
+impl From<CsiError> for StepError {
+    fn from(e: CsiError) -> Self {
+        StepError::Csi(e)
+    }
+}
+
+impl From<ClaimError> for StepError {
+    fn from(e: ClaimError) -> Self {
+        StepError::Claim(e)
+    }
+}
+
+impl From<LockTimeout> for StepError {
+    fn from(e: LockTimeout) -> Self {
+        StepError::Lock(e)
+    }
+}
+
+impl From<StillMounted> for StepError {
+    fn from(e: StillMounted) -> Self {
+        StepError::StillMounted(e)
+    }
+}
+
+#[derive(Debug)]
+pub enum MountError {
+    Invalid(SpecError),
+    UnknownVolume {
+        volume_id: String,
+    },
+    /// The allocation is being mounted, restored or released already, or
+    /// holds other volumes.
+    Busy {
+        alloc_id: String,
+        why: String,
+    },
+    Plugin {
+        alias: String,
+        source: WaitError,
+    },
+    Claim {
+        alias: String,
+        source: ClaimError,
+    },
+    /// The plugin refused a call with an error that retrying cannot fix.
+    Csi {
+        alias: String,
+        source: CsiError,
+    },
+    /// The mount retry deadline passed while a step kept failing with a
+    /// retryable error.
+    Timeout {
+        alias: String,
+        last_error: Box<StepError>,
+    },
+    State(StateError),
+    Shutdown,
+}
+
+impl MountError {
+    /// The mount error for a step error that retrying cannot fix.
+    pub fn from_step(alloc_id: &str, alias: &str, e: StepError) -> MountError {
+        match e {
+            StepError::Csi(source) => MountError::Csi {
+                alias: alias.to_string(),
+                source,
+            },
+            StepError::Claim(source) => MountError::Claim {
+                alias: alias.to_string(),
+                source,
+            },
+            StepError::Plugin(source) => MountError::Plugin {
+                alias: alias.to_string(),
+                source,
+            },
+            StepError::State(e) => MountError::State(e),
+            StepError::UnknownVolume { volume_id } => MountError::UnknownVolume { volume_id },
+            other => MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: other.to_string(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for MountError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MountError::Invalid(e) => e.fmt(f),
+            MountError::UnknownVolume { volume_id } => {
+                write!(f, "volume {volume_id} is not registered")
+            }
+            MountError::Busy { alloc_id, why } => write!(f, "allocation {alloc_id} {why}"),
+            MountError::Plugin { alias, .. } => write!(f, "volume {alias} could not be mounted"),
+            MountError::Claim { alias, .. } => write!(f, "volume {alias} could not be claimed"),
+            MountError::Csi { alias, .. } => write!(f, "volume {alias} could not be mounted"),
+            MountError::Timeout { alias, .. } => write!(
+                f,
+                "volume {alias} could not be mounted before the mount retry deadline"
+            ),
+            MountError::State(_) => write!(f, "the mount could not be recorded"),
+            MountError::Shutdown => write!(f, "the agent is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for MountError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            MountError::Plugin { source, .. } => Some(source),
+            MountError::Claim { source, .. } => Some(source),
+            MountError::Csi { source, .. } => Some(source),
+            MountError::Timeout { last_error, .. } => Some(&**last_error),
+            MountError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for MountError {
+    fn from(e: StateError) -> Self {
+        MountError::State(e)
+    }
+}
+
+impl From<SpecError> for MountError {
+    fn from(e: SpecError) -> Self {
+        MountError::Invalid(e)
+    }
+}
+
+#[derive(Debug)]
+pub enum ReleaseError {
+    Invalid(SpecError),
+    State(StateError),
+    Spawn(io::Error),
+    Stopping,
+}
+
+impl fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReleaseError::Invalid(e) => e.fmt(f),
+            ReleaseError::State(_) => write!(f, "the release could not be recorded"),
+            ReleaseError::Spawn(_) => write!(f, "a release worker could not be started"),
+            ReleaseError::Stopping => write!(f, "the agent is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for ReleaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ReleaseError::State(e) => Some(e),
+            ReleaseError::Spawn(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for ReleaseError {
+    fn from(e: StateError) -> Self {
+        ReleaseError::State(e)
+    }
+}
+
+#[derive(Debug)]
+pub enum VolumeRegistryError {
+    Invalid(SpecError),
+    InUse { volume_id: String, holder: String },
+    State(StateError),
+}
+
+impl fmt::Display for VolumeRegistryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VolumeRegistryError::Invalid(e) => e.fmt(f),
+            VolumeRegistryError::InUse { volume_id, holder } => write!(
+                f,
+                "volume {volume_id} is in use by allocation {holder}; release it first"
+            ),
+            VolumeRegistryError::State(_) => write!(f, "the volume registry could not be saved"),
+        }
+    }
+}
+
+impl std::error::Error for VolumeRegistryError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            VolumeRegistryError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for VolumeRegistryError {
+    fn from(e: StateError) -> Self {
+        VolumeRegistryError::State(e)
+    }
+}

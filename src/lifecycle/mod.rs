@@ -1,0 +1,212 @@
+//! The allocation lifecycle: mount, release and restore, behind a small
+//! facade ([`Lifecycle`]) that the API calls.
+//!
+//! Every step of a volume runs under that volume's operation lock (one
+//! operation in flight per volume; unrelated volumes proceed in parallel),
+//! re-reads the record, decides, makes its in-flight phase durable, and only
+//! then sends the CSI call. Claim changes go through the claim store's
+//! transactions together with the record change they belong to. No lock of
+//! the state is held across a call; backoff waits happen outside the
+//! operation lock.
+//!
+//! Files: `mount`, `release`, `restore` (each reads top-down like the steps
+//! it does), `core` (what they share), `progress` (in-memory progress),
+//! `status` (what `alloc status` shows), `error`.
+
+mod core;
+mod error;
+mod mount;
+mod progress;
+mod release;
+mod restore;
+mod status;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use self::core::Core;
+pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF, MOUNT_RETRY_DEADLINE};
+pub use error::{MountError, ReleaseError, StepError, VolumeRegistryError};
+pub use mount::{MountedVolume, ROLLBACK_WAIT};
+pub use progress::ReleaseState;
+pub use release::ReleaseStart;
+pub use restore::RestoreReport;
+pub use status::{AllocStatus, VolumeStatus};
+
+use crate::claims::{Claim, ClaimStore};
+use crate::plugins::Registry;
+use crate::shutdown::Shutdown;
+use crate::state::StateStore;
+use crate::threads::Threads;
+use crate::volumes::lock::OperationLocks;
+use crate::volumes::{Paths, SpecError, VolumeRequest, VolumeSpec};
+
+/// The allocation lifecycle. Cheap to clone.
+#[derive(Clone)]
+pub struct Lifecycle {
+    core: Arc<Core>,
+}
+
+impl Lifecycle {
+    pub fn new(
+        store: Arc<StateStore>,
+        claims: Arc<dyn ClaimStore>,
+        registry: Registry,
+        opts: LifecycleOptions,
+        shutdown: Shutdown,
+    ) -> Lifecycle {
+        let core = Arc::new(Core {
+            store,
+            claims,
+            registry,
+            paths: Paths::new(&opts.mount_root),
+            opts,
+            shutdown: shutdown.clone(),
+            locks: OperationLocks::new(),
+            progress: Default::default(),
+            workers: Mutex::new(Some(Threads::new())),
+        });
+        let weak = Arc::downgrade(&core);
+        shutdown.on_trigger(move || {
+            if let Some(core) = weak.upgrade() {
+                core.progress.wake_all();
+            }
+        });
+        Lifecycle { core }
+    }
+
+    pub fn store(&self) -> &Arc<StateStore> {
+        &self.core.store
+    }
+
+    pub fn claims(&self) -> &Arc<dyn ClaimStore> {
+        &self.core.claims
+    }
+
+    /// Every claim of the claim store.
+    pub fn list_claims(&self) -> Vec<Claim> {
+        self.core.claims.list()
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.core.registry
+    }
+
+    pub fn paths(&self) -> &Paths {
+        &self.core.paths
+    }
+
+    /// Volumes with an operation in flight or waiting (their locks).
+    pub fn operations_in_flight(&self) -> usize {
+        self.core.locks.len()
+    }
+
+    // ---- volumes --------------------------------------------------------
+
+    /// Registers (or replaces, while unclaimed) a volume.
+    pub fn register_volume(&self, spec: VolumeSpec) -> Result<(), VolumeRegistryError> {
+        spec.validate().map_err(VolumeRegistryError::Invalid)?;
+        let changed = self
+            .core
+            .store
+            .read(|s| s.volumes.get(&spec.id).is_some_and(|old| **old != spec));
+        if changed {
+            self.refuse_if_claimed(&spec.id)?;
+        }
+        self.core.store.update(|s| {
+            s.volumes.insert(spec.id.clone(), Arc::new(spec));
+            Ok(())
+        })
+    }
+
+    /// Deregisters a volume no allocation uses.
+    pub fn deregister_volume(&self, id: &str) -> Result<bool, VolumeRegistryError> {
+        crate::ids::check_id("volume", id)
+            .map_err(|e| VolumeRegistryError::Invalid(SpecError::Id(e)))?;
+        self.refuse_if_claimed(id)?;
+        self.core.store.update(|s| {
+            if let Some((a, _)) = s.alloc_volumes().find(|(_, v)| v.volume_id == id) {
+                return Err(VolumeRegistryError::InUse {
+                    volume_id: id.to_string(),
+                    holder: a.id.clone(),
+                });
+            }
+            Ok(s.volumes.remove(id).is_some())
+        })
+    }
+
+    fn refuse_if_claimed(&self, id: &str) -> Result<(), VolumeRegistryError> {
+        match self.list_claims().into_iter().find(|c| c.volume_id == id) {
+            Some(c) => Err(VolumeRegistryError::InUse {
+                volume_id: id.to_string(),
+                holder: c.alloc_id,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub fn list_volumes(&self) -> Vec<VolumeSpec> {
+        self.core
+            .store
+            .read(|s| s.volumes.values().map(|v| (**v).clone()).collect())
+    }
+
+    // ---- allocations ----------------------------------------------------
+
+    /// Mounts every requested volume for `alloc_id`; see `mount::mount`.
+    pub fn mount(
+        &self,
+        alloc_id: &str,
+        reqs: &[VolumeRequest],
+    ) -> Result<Vec<MountedVolume>, MountError> {
+        mount::mount(&self.core, alloc_id, reqs)
+    }
+
+    /// The host paths of a mounted allocation.
+    pub fn mounted(&self, alloc_id: &str) -> Vec<MountedVolume> {
+        mount::mounted(&self.core, alloc_id)
+    }
+
+    /// Starts releasing every volume of `alloc_id`, one worker per volume.
+    pub fn release(&self, alloc_id: &str) -> Result<ReleaseStart, ReleaseError> {
+        release::release(&self.core, alloc_id)
+    }
+
+    /// Waits until every volume of the allocation's latest release ended
+    /// (released or stopped), up to `timeout`. True when all ended.
+    pub fn wait_released(&self, alloc_id: &str, timeout: Duration) -> bool {
+        let shutdown = &self.core.shutdown;
+        self.core
+            .progress
+            .wait_released(alloc_id, timeout, || shutdown.is_triggered())
+    }
+
+    /// Release state of each volume of the allocation's latest release.
+    pub fn release_status(&self, alloc_id: &str) -> BTreeMap<String, ReleaseState> {
+        self.core.progress.releases(alloc_id)
+    }
+
+    pub fn alloc_status(&self, alloc_id: &str) -> Option<AllocStatus> {
+        status::alloc_status(&self.core, alloc_id)
+    }
+
+    pub fn list_allocs(&self) -> Vec<AllocStatus> {
+        status::list_allocs(&self.core)
+    }
+
+    /// Brings every recorded allocation back to what was asked; see
+    /// `restore::restore`.
+    pub fn restore(&self) -> RestoreReport {
+        restore::restore(&self.core)
+    }
+
+    /// Stops taking work and joins the worker threads up to `deadline`;
+    /// returns the names of workers still running.
+    pub fn join(&self, deadline: Instant) -> Vec<String> {
+        let workers = self.core.workers.lock().take();
+        workers.map(|w| w.join_until(deadline)).unwrap_or_default()
+    }
+}

@@ -1,0 +1,640 @@
+//! Mount: take every requested volume of an allocation from nothing to
+//! published, reading top-down like the steps it does:
+//!
+//! 1. record the allocation (and, for volumes whose plugins are ready,
+//!    take the claim and enter the first phase in the same write);
+//! 2. per volume: wait for the node plugin, take the claim (retrying while
+//!    another allocation holds it), then ControllerPublish → NodeStage →
+//!    NodePublish, each made durable as an in-flight phase before its call;
+//! 3. on a failure, roll back what was done (a release of the allocation).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::core::{attach_change, Core, Step, StepResult};
+use super::error::{MountError, StepError};
+use super::progress::NotNow;
+use super::release;
+use crate::claims::{Applied, ClaimChange};
+use crate::failpoints;
+use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::retry::{Backoff, Interrupted};
+use crate::state::{AllocRecord, AllocVolume, Phase};
+use crate::volumes::{requests, validate_requests, AttachmentMode, Paths, Usage, VolumeRequest};
+use crate::volumes::{OperationLock, VolumeSpec};
+
+/// How long a failed mount waits for its own rollback before answering.
+pub const ROLLBACK_WAIT: Duration = Duration::from_secs(30);
+
+/// A mounted volume as handed to the workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountedVolume {
+    pub alias: String,
+    pub volume_id: String,
+    pub host_path: std::path::PathBuf,
+    pub read_only: bool,
+    pub block: bool,
+}
+
+/// Marks a mount (or restore) of one allocation as running while alive.
+pub struct MountGuard {
+    core: Arc<Core>,
+    alloc_id: String,
+}
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        self.core.progress.end_mount(&self.alloc_id);
+    }
+}
+
+pub fn begin(core: &Arc<Core>, alloc_id: &str) -> Result<MountGuard, MountError> {
+    core.progress
+        .begin_mount(alloc_id)
+        .map_err(|n| MountError::Busy {
+            alloc_id: alloc_id.to_string(),
+            why: match n {
+                NotNow::Mounting => "is being mounted or restored already",
+                NotNow::Releasing => "is being released",
+            }
+            .to_string(),
+        })?;
+    Ok(MountGuard {
+        core: core.clone(),
+        alloc_id: alloc_id.to_string(),
+    })
+}
+
+/// Mounts every requested volume for `alloc_id` and answers with the host
+/// paths; on failure, rolls back what it did so nothing stays half-claimed.
+/// Mounting an allocation again with the same requests finishes what is
+/// unfinished and answers the same paths.
+pub fn mount(
+    core: &Arc<Core>,
+    alloc_id: &str,
+    reqs: &[VolumeRequest],
+) -> Result<Vec<MountedVolume>, MountError> {
+    validate_requests(alloc_id, reqs)?;
+    let _guard = begin(core, alloc_id)?;
+    let result = match record_intent(core, alloc_id, reqs)? {
+        Some(refused) => Err(refused),
+        None => {
+            let deadline = Instant::now() + core.opts.mount_retry_deadline;
+            reqs.iter()
+                .try_for_each(|r| mount_volume(core, alloc_id, &r.alias, deadline))
+        }
+    };
+    match result {
+        Ok(()) => Ok(mounted(core, alloc_id)),
+        // A graceful stop unmounts nothing: the next start finishes this
+        // mount from the state.
+        Err(e @ MountError::Shutdown) => Err(e),
+        Err(e) => {
+            log::warn!(
+                "mount of allocation {alloc_id} failed ({}); rolling back",
+                crate::error_chain(&e)
+            );
+            rollback(core, alloc_id);
+            Err(e)
+        }
+    }
+}
+
+/// Step 1: records every volume of the allocation in one durable write
+/// before any CSI call. Volumes whose plugins are ready take their claim
+/// and enter their first in-flight phase in the same transaction; the
+/// others start in `claiming` and take the claim in `take_claim`. An
+/// allocation already recorded with the same requests is left as it is.
+/// Some(error): recorded, but a claim can never be granted (roll back).
+fn record_intent(
+    core: &Core,
+    alloc_id: &str,
+    reqs: &[VolumeRequest],
+) -> Result<Option<MountError>, MountError> {
+    // The plan, computed once: the records this mount wants.
+    let wanted = core.store.read(|s| -> Result<_, MountError> {
+        let mut wanted = BTreeMap::new();
+        for r in reqs {
+            let spec = s
+                .volumes
+                .get(&r.volume_id)
+                .ok_or_else(|| MountError::UnknownVolume {
+                    volume_id: r.volume_id.clone(),
+                })?;
+            let usage = r.resolve(spec)?;
+            wanted.insert(
+                r.alias.clone(),
+                new_record(&core.paths, alloc_id, r, spec, usage),
+            );
+        }
+        if let Some(existing) = s.allocs.get(alloc_id) {
+            let why = if existing.releasing {
+                "is being released"
+            } else if same_volumes(existing, &wanted) {
+                return Ok(None);
+            } else {
+                "already has other volumes mounted; release it first"
+            };
+            return Err(MountError::Busy {
+                alloc_id: alloc_id.to_string(),
+                why: why.to_string(),
+            });
+        }
+        Ok(Some(wanted))
+    })?;
+    let Some(mut wanted) = wanted else {
+        return Ok(None);
+    };
+    let plans = ready_plans(core, wanted.values().map(|v| v.plugin_id.as_str()));
+    let claimed: Vec<String> = wanted
+        .values()
+        .filter(|v| plans.contains_key(&v.plugin_id))
+        .map(|v| v.alias.clone())
+        .collect();
+    let changes = claimed
+        .iter()
+        .map(|alias| ClaimChange::Take(core.claim_request(alloc_id, &wanted[alias])))
+        .collect();
+    let paths = &core.paths;
+    let applied = core.transact(
+        changes,
+        &|s| !s.allocs.contains_key(alloc_id),
+        &mut |s, outcomes| {
+            let mut volumes = std::mem::take(&mut wanted);
+            for (alias, outcome) in claimed.iter().zip(outcomes) {
+                if let (Ok(()), Some(v)) = (outcome, volumes.get_mut(alias)) {
+                    plans[&v.plugin_id].enter(v, paths);
+                }
+            }
+            s.allocs.insert(
+                alloc_id.to_string(),
+                Arc::new(AllocRecord {
+                    id: alloc_id.to_string(),
+                    releasing: false,
+                    volumes: volumes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect(),
+                }),
+            );
+        },
+    )?;
+    let Applied::Done(outcomes) = applied else {
+        return Ok(None);
+    };
+    // Reports of an earlier release under the same ID are stale now.
+    core.progress.forget_releases(alloc_id);
+    failpoints::hit("mount-after-record");
+    if outcomes.iter().any(Result::is_ok) {
+        // The claim and the first phase are durable already.
+        failpoints::hit("mount-after-claim");
+        failpoints::hit("mount-after-first-phase");
+    }
+    log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
+    // A claim that can never be granted fails the mount now; one held by
+    // another allocation is waited for in `take_claim`.
+    for (alias, outcome) in claimed.iter().zip(outcomes) {
+        if let Err(e) = outcome {
+            if !e.is_retryable() {
+                return Ok(Some(MountError::Claim {
+                    alias: alias.clone(),
+                    source: e,
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+fn same_volumes(existing: &AllocRecord, wanted: &BTreeMap<String, AllocVolume>) -> bool {
+    existing.volumes.len() == wanted.len()
+        && wanted.iter().all(|(alias, w)| {
+            existing
+                .volumes
+                .get(alias)
+                .is_some_and(|v| v.volume_id == w.volume_id && v.usage == w.usage)
+        })
+}
+
+fn new_record(
+    paths: &Paths,
+    alloc_id: &str,
+    r: &VolumeRequest,
+    spec: &VolumeSpec,
+    usage: Usage,
+) -> AllocVolume {
+    AllocVolume {
+        alias: r.alias.clone(),
+        volume_id: spec.id.clone(),
+        plugin_id: spec.plugin_id.clone(),
+        external_volume_id: spec.external_id.clone(),
+        external_node_id: None,
+        usage,
+        mount_flags: r.mount_flags.clone(),
+        staging_path: None,
+        target_path: paths.target(alloc_id, &spec.id, &usage),
+        publish_context: BTreeMap::new(),
+        holds_attachment: false,
+        holds_staging: false,
+        phase: Phase::Claiming,
+    }
+}
+
+/// The host paths of a mounted allocation.
+pub fn mounted(core: &Core, alloc_id: &str) -> Vec<MountedVolume> {
+    core.store.read(|s| {
+        s.allocs
+            .get(alloc_id)
+            .map(|a| {
+                a.volumes
+                    .values()
+                    .filter(|v| v.phase == Phase::Published)
+                    .map(|v| MountedVolume {
+                        alias: v.alias.clone(),
+                        volume_id: v.volume_id.clone(),
+                        host_path: v.target_path.clone(),
+                        read_only: v.usage.read_only,
+                        block: v.usage.attachment == AttachmentMode::BlockDevice,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
+}
+
+/// Step 2: takes one volume from wherever it stands to `published`.
+pub fn mount_volume(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    deadline: Instant,
+) -> Result<(), MountError> {
+    let result = mount_volume_steps(core, alloc_id, alias, deadline);
+    core.progress.set_message(alloc_id, alias, None);
+    result
+}
+
+fn mount_volume_steps(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    deadline: Instant,
+) -> Result<(), MountError> {
+    let gone = || MountError::Busy {
+        alloc_id: alloc_id.to_string(),
+        why: format!("no longer records volume {alias}"),
+    };
+    let rec = core.record(alloc_id, alias).ok_or_else(gone)?;
+    if rec.phase == Phase::Published {
+        return Ok(());
+    }
+    // The node plugin must be ready before anything else.
+    let say = |m: Option<String>| core.progress.set_message(alloc_id, alias, m);
+    say(Some(format!("waiting for node plugin {}", rec.plugin_id)));
+    let node = core
+        .registry
+        .wait_for_plugin(&rec.plugin_id, PluginKind::Node, core.opts.plugin_wait)
+        .map_err(|source| MountError::Plugin {
+            alias: alias.to_string(),
+            source,
+        })?;
+    say(None);
+    let controller = controller_for(core, alloc_id, &rec.plugin_id, alias)?;
+    // The claim, retrying while another allocation holds it.
+    if rec.phase == Phase::Claiming {
+        let plan = Plan::new(&node, controller.is_some());
+        take_claim(core, alloc_id, &rec, &plan)?;
+    }
+    // Controller publish, stage, publish.
+    let mut backoff = Backoff::new(core.opts.csi_backoff, deadline);
+    loop {
+        if core.shutdown.is_triggered() {
+            return Err(MountError::Shutdown);
+        }
+        match mount_step(core, alloc_id, alias, &node, controller.as_ref()) {
+            Ok(Step::Next) => {
+                // A step went through: no retry message is current.
+                say(None);
+            }
+            Ok(Step::Done) => return Ok(()),
+            Err(e) if !e.is_retryable() => return Err(MountError::from_step(alloc_id, alias, e)),
+            Err(e) => {
+                let msg = crate::error_chain(&e);
+                log::warn!("mount of {alloc_id}/{alias}: {msg} (retrying)");
+                say(Some(format!("{msg} (retrying)")));
+                match backoff.wait(&core.shutdown) {
+                    Ok(()) => {}
+                    Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
+                    Err(Interrupted::Deadline) => {
+                        return Err(MountError::Timeout {
+                            alias: alias.to_string(),
+                            last_error: Box::new(e),
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The ready controller side of a plugin, when the plugin has one with
+/// PUBLISH_UNPUBLISH_VOLUME.
+fn controller_for(
+    core: &Core,
+    alloc_id: &str,
+    plugin_id: &str,
+    alias: &str,
+) -> Result<Option<PluginSnapshot>, MountError> {
+    let reg = &core.registry;
+    if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
+        return Ok(None);
+    }
+    if reg.get_ready(plugin_id, PluginKind::Controller).is_none() {
+        core.progress.set_message(
+            alloc_id,
+            alias,
+            Some(format!("waiting for controller plugin {plugin_id}")),
+        );
+    }
+    let c = reg
+        .wait_for_plugin(plugin_id, PluginKind::Controller, core.opts.plugin_wait)
+        .map_err(|source| MountError::Plugin {
+            alias: alias.to_string(),
+            source,
+        })?;
+    core.progress.set_message(alloc_id, alias, None);
+    Ok(publishes(&c).then_some(c))
+}
+
+fn publishes(controller: &PluginSnapshot) -> bool {
+    controller
+        .controller_capabilities
+        .as_ref()
+        .is_some_and(|caps| caps.publish_unpublish_volume)
+}
+
+/// Plans for the plugins that are ready now (node side, and controller
+/// side when the plugin has one): what lets the first write claim. Plugins
+/// not ready are left out; their volumes take the waiting path.
+fn ready_plans<'a>(core: &Core, plugins: impl Iterator<Item = &'a str>) -> HashMap<String, Plan> {
+    let reg = &core.registry;
+    let mut plans = HashMap::new();
+    for p in plugins.collect::<BTreeSet<_>>() {
+        let Some(node) = reg.get_ready(p, PluginKind::Node) else {
+            continue;
+        };
+        let controller = if reg.serves(p, PluginKind::Controller) == Some(false) {
+            false
+        } else {
+            match reg.get_ready(p, PluginKind::Controller) {
+                Some(c) => publishes(&c),
+                None => continue,
+            }
+        };
+        plans.insert(p.to_string(), Plan::new(&node, controller));
+    }
+    plans
+}
+
+/// Takes the claim and enters the first phase in one transaction, retrying
+/// while another allocation holds the claim.
+fn take_claim(
+    core: &Core,
+    alloc_id: &str,
+    rec: &AllocVolume,
+    plan: &Plan,
+) -> Result<(), MountError> {
+    let deadline = Instant::now() + core.opts.claim_retry_deadline;
+    let mut backoff = Backoff::new(core.opts.claim_backoff, deadline);
+    let alias = rec.alias.as_str();
+    let claim_error = |source| MountError::Claim {
+        alias: alias.to_string(),
+        source,
+    };
+    loop {
+        // Each attempt runs under the volume's lock and only while the
+        // record still waits for its claim: a release that started
+        // meanwhile frees the claim under the same lock, and a claim
+        // granted after that would be held by no record.
+        let attempt = {
+            let _lock = core
+                .locks
+                .lock(&rec.volume_id, core.opts.lock_wait)
+                .map_err(|e| MountError::Busy {
+                    alloc_id: alloc_id.to_string(),
+                    why: e.to_string(),
+                })?;
+            let paths = &core.paths;
+            core.transact(
+                vec![ClaimChange::Take(core.claim_request(alloc_id, rec))],
+                &|s| {
+                    s.allocs.get(alloc_id).is_some_and(|a| {
+                        !a.releasing
+                            && a.volumes
+                                .get(alias)
+                                .is_some_and(|v| v.phase == Phase::Claiming)
+                    })
+                },
+                &mut |s, out| {
+                    if out.iter().all(Result::is_ok) {
+                        if let Some(v) = s.volume_mut(alloc_id, alias) {
+                            plan.enter(v, paths);
+                        }
+                    }
+                },
+            )?
+            .single()
+        };
+        match attempt {
+            Ok(true) => {
+                core.progress.set_message(alloc_id, alias, None);
+                failpoints::hit("mount-after-claim");
+                failpoints::hit("mount-after-first-phase");
+                return Ok(());
+            }
+            Ok(false) => {
+                return Err(MountError::Busy {
+                    alloc_id: alloc_id.to_string(),
+                    why: "is being released".to_string(),
+                })
+            }
+            Err(e) if e.is_retryable() => {
+                let msg = format!("{e} (retrying)");
+                log::info!("allocation {alloc_id}: {msg}");
+                core.progress.set_message(alloc_id, alias, Some(msg));
+                match backoff.wait(&core.shutdown) {
+                    Ok(()) => {}
+                    Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
+                    Err(Interrupted::Deadline) => return Err(claim_error(e)),
+                }
+            }
+            Err(e) => return Err(claim_error(e)),
+        }
+    }
+}
+
+/// One step up, under the volume's operation lock.
+fn mount_step(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    node: &PluginSnapshot,
+    controller: Option<&PluginSnapshot>,
+) -> StepResult {
+    let gone = |why: String| StepError::Gone { why };
+    let rec = core
+        .record(alloc_id, alias)
+        .ok_or_else(|| gone(format!("no longer records volume {alias}")))?;
+    let _lock: OperationLock<'_> = core.lock_volume(&rec.volume_id)?;
+    // Re-read under the lock.
+    let Some(rec) = core.record(alloc_id, alias) else {
+        return Ok(Step::Next);
+    };
+    let spec = core
+        .spec(&rec.volume_id)
+        .ok_or_else(|| StepError::UnknownVolume {
+            volume_id: rec.volume_id.clone(),
+        })?;
+    let me = (alloc_id, alias);
+    match rec.phase {
+        Phase::Published => Ok(Step::Done),
+        Phase::Claiming => Err(gone(format!("volume {alias} is not claimed yet"))),
+        p if p.is_teardown() => Err(gone("is being released".to_string())),
+        Phase::ControllerPublishing => {
+            // Already attached to this node for another allocation?
+            let shared = core.store.read(|s| {
+                s.established_attachment(&rec.volume_id, rec.external_node_id.as_deref(), me)
+            });
+            let ctx = match shared {
+                Some(ctx) => ctx,
+                None => {
+                    let c = controller.ok_or_else(|| StepError::NoController {
+                        plugin_id: rec.plugin_id.clone(),
+                    })?;
+                    let readonly = c
+                        .controller_capabilities
+                        .as_ref()
+                        .is_some_and(|caps| caps.publish_readonly);
+                    let req = requests::controller_publish(rec.volume_ref(), &spec, readonly);
+                    failpoints::hit("before-controller-publish");
+                    let ctx = c.client.controller_publish_volume(&req)?;
+                    failpoints::hit("after-controller-publish");
+                    ctx
+                }
+            };
+            let stage = rec.staging_path.is_some();
+            let attach = attach_change(alloc_id, &rec, &ctx);
+            core.advance_with_claim(alloc_id, alias, attach, |v| {
+                v.publish_context = ctx;
+                if stage {
+                    v.holds_staging = true;
+                    v.phase = Phase::Staging;
+                } else {
+                    v.phase = Phase::Publishing;
+                }
+            })?;
+            Ok(Step::Next)
+        }
+        Phase::Staging => {
+            let staging = rec.staging_path.clone().unwrap_or_default();
+            if !core.store.read(|s| s.staging_established(&staging, me)) {
+                create_dir(&staging)?;
+                let req = requests::node_stage(rec.volume_ref(), &spec);
+                failpoints::hit("before-node-stage");
+                node.client.node_stage_volume(&req)?;
+                failpoints::hit("after-node-stage");
+            }
+            core.advance(alloc_id, alias, |v| v.phase = Phase::Publishing)?;
+            Ok(Step::Next)
+        }
+        Phase::Publishing => {
+            if let Some(parent) = rec.target_path.parent() {
+                create_dir(parent)?;
+            }
+            let req = requests::node_publish(rec.volume_ref(), &spec);
+            failpoints::hit("before-node-publish");
+            node.client.node_publish_volume(&req)?;
+            failpoints::hit("after-node-publish");
+            core.advance(alloc_id, alias, |v| v.phase = Phase::Published)?;
+            failpoints::hit("mount-after-published");
+            log::info!(
+                "allocation {alloc_id}: volume {} mounted at {}",
+                rec.volume_id,
+                rec.target_path.display()
+            );
+            Ok(Step::Done)
+        }
+        other => Err(gone(format!(
+            "volume {alias} is in an unexpected phase {other}"
+        ))),
+    }
+}
+
+/// Step 3: a failed mount is undone by releasing the allocation.
+fn rollback(core: &Arc<Core>, alloc_id: &str) {
+    if let Err(e) = release::release(core, alloc_id) {
+        log::error!(
+            "rollback of allocation {alloc_id} could not start: {}",
+            crate::error_chain(&e)
+        );
+        return;
+    }
+    let shutdown = &core.shutdown;
+    if !core
+        .progress
+        .wait_released(alloc_id, ROLLBACK_WAIT, || shutdown.is_triggered())
+    {
+        log::warn!(
+            "rollback of allocation {alloc_id} is still running after {:?}; it goes on in the background",
+            ROLLBACK_WAIT
+        );
+    }
+}
+
+/// Which calls a volume needs, decided once its plugins are known.
+struct Plan {
+    stage: bool,
+    controller: bool,
+    /// The node plugin's node ID: the external node ID of the attachment.
+    node_id: String,
+}
+
+impl Plan {
+    fn new(node: &PluginSnapshot, controller: bool) -> Plan {
+        Plan {
+            stage: node
+                .node_capabilities
+                .as_ref()
+                .is_some_and(|c| c.stage_unstage_volume),
+            controller,
+            node_id: node.node_id().unwrap_or_default().to_string(),
+        }
+    }
+
+    /// Moves a record from `claiming` to its first in-flight phase, setting
+    /// the holds-flags before the call they stand for is sent.
+    fn enter(&self, v: &mut AllocVolume, paths: &Paths) {
+        if v.phase != Phase::Claiming {
+            return;
+        }
+        v.staging_path = self
+            .stage
+            .then(|| paths.staging(&v.plugin_id, &v.volume_id, &v.usage));
+        if self.controller {
+            v.external_node_id = Some(self.node_id.clone());
+            v.holds_attachment = true;
+            v.phase = Phase::ControllerPublishing;
+        } else if self.stage {
+            v.holds_staging = true;
+            v.phase = Phase::Staging;
+        } else {
+            v.phase = Phase::Publishing;
+        }
+    }
+}
+
+fn create_dir(path: &Path) -> Result<(), StepError> {
+    std::fs::create_dir_all(path).map_err(|source| StepError::CreateDir {
+        path: path.to_path_buf(),
+        source,
+    })
+}

@@ -1,0 +1,224 @@
+//! In-memory progress that is not worth a durable write: which allocations
+//! have a mount running, which release workers run, the latest release
+//! report of every volume, and what a running mount waits on.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+/// How many completed release reports are kept for `alloc status`.
+const MAX_RELEASE_REPORTS: usize = 1024;
+
+/// Where one volume of a release stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseState {
+    InProgress,
+    /// Failing and retrying; `error` is the last failure.
+    Retrying {
+        error: String,
+        attempts: u32,
+    },
+    Released,
+    /// Gave up at the release deadline (or the agent stopped); the record
+    /// and the claim are kept and a restart resumes.
+    Stopped {
+        error: String,
+    },
+}
+
+impl ReleaseState {
+    pub fn is_final(&self) -> bool {
+        matches!(self, ReleaseState::Released | ReleaseState::Stopped { .. })
+    }
+}
+
+/// (allocation, alias)
+type Key = (String, String);
+
+fn key(alloc: &str, alias: &str) -> Key {
+    (alloc.to_string(), alias.to_string())
+}
+
+#[derive(Default)]
+struct Inner {
+    /// (alloc, alias) -> release state of the latest release.
+    releases: HashMap<Key, ReleaseState>,
+    /// Release workers running.
+    active: HashSet<Key>,
+    /// Allocations with a mount or restore running.
+    mounting: HashSet<String>,
+    /// (alloc, alias) -> what a mount is waiting on.
+    messages: HashMap<Key, String>,
+    /// Releases that completed, oldest first: their reports are kept for
+    /// `alloc status` until MAX_RELEASE_REPORTS newer ones push them out.
+    finished: VecDeque<Key>,
+}
+
+/// Why a mount cannot start now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotNow {
+    Mounting,
+    Releasing,
+}
+
+#[derive(Default)]
+pub struct Progress {
+    inner: Mutex<Inner>,
+    changed: Condvar,
+}
+
+impl Progress {
+    /// Wakes every waiter (on shutdown).
+    pub fn wake_all(&self) {
+        let _g = self.inner.lock();
+        self.changed.notify_all();
+    }
+
+    /// Marks a mount of `alloc_id` as running.
+    pub fn begin_mount(&self, alloc_id: &str) -> Result<(), NotNow> {
+        let mut p = self.inner.lock();
+        if p.mounting.contains(alloc_id) {
+            return Err(NotNow::Mounting);
+        }
+        if p.active.iter().any(|(a, _)| a == alloc_id) {
+            return Err(NotNow::Releasing);
+        }
+        p.mounting.insert(alloc_id.to_string());
+        Ok(())
+    }
+
+    pub fn end_mount(&self, alloc_id: &str) {
+        let mut p = self.inner.lock();
+        p.mounting.remove(alloc_id);
+        self.changed.notify_all();
+    }
+
+    /// Forgets the release reports of an earlier allocation of this ID.
+    pub fn forget_releases(&self, alloc_id: &str) {
+        self.inner.lock().releases.retain(|(a, _), _| a != alloc_id);
+    }
+
+    pub fn set_message(&self, alloc_id: &str, alias: &str, msg: Option<String>) {
+        let mut p = self.inner.lock();
+        match msg {
+            Some(m) => p.messages.insert(key(alloc_id, alias), m),
+            None => p.messages.remove(&key(alloc_id, alias)),
+        };
+    }
+
+    pub fn message(&self, alloc_id: &str, alias: &str) -> String {
+        self.inner
+            .lock()
+            .messages
+            .get(&key(alloc_id, alias))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Marks a release worker as running; false when one runs already.
+    pub fn begin_release(&self, alloc_id: &str, alias: &str) -> bool {
+        let mut p = self.inner.lock();
+        let k = key(alloc_id, alias);
+        if !p.active.insert(k.clone()) {
+            return false;
+        }
+        p.releases.insert(k, ReleaseState::InProgress);
+        true
+    }
+
+    pub fn set_release(&self, alloc_id: &str, alias: &str, st: ReleaseState) {
+        let mut p = self.inner.lock();
+        p.releases.insert(key(alloc_id, alias), st);
+        self.changed.notify_all();
+    }
+
+    /// A release worker ended with `outcome`.
+    pub fn end_release(&self, alloc_id: &str, alias: &str, outcome: ReleaseState) {
+        let mut p = self.inner.lock();
+        let k = key(alloc_id, alias);
+        p.active.remove(&k);
+        if outcome == ReleaseState::Released {
+            p.finished.push_back(k.clone());
+            while p.finished.len() > MAX_RELEASE_REPORTS {
+                if let Some(old) = p.finished.pop_front() {
+                    if !p.active.contains(&old)
+                        && p.releases.get(&old) == Some(&ReleaseState::Released)
+                    {
+                        p.releases.remove(&old);
+                    }
+                }
+            }
+        }
+        p.releases.insert(k, outcome);
+        self.changed.notify_all();
+    }
+
+    /// Waits until no release worker of the allocation runs, up to
+    /// `timeout` or until `stop()` says so. True when none runs.
+    pub fn wait_released(
+        &self,
+        alloc_id: &str,
+        timeout: Duration,
+        stop: impl Fn() -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut p = self.inner.lock();
+        loop {
+            if !p.active.iter().any(|(a, _)| a == alloc_id) {
+                return true;
+            }
+            if stop() {
+                return false;
+            }
+            if self.changed.wait_until(&mut p, deadline).timed_out() {
+                return !p.active.iter().any(|(a, _)| a == alloc_id);
+            }
+        }
+    }
+
+    /// Release state of each volume of the allocation's latest release.
+    pub fn releases(&self, alloc_id: &str) -> BTreeMap<String, ReleaseState> {
+        self.inner
+            .lock()
+            .releases
+            .iter()
+            .filter(|((a, _), _)| a == alloc_id)
+            .map(|((_, alias), st)| (alias.clone(), st.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_mount_at_a_time_and_none_while_releasing() {
+        let p = Progress::default();
+        p.begin_mount("a").expect("first");
+        assert_eq!(p.begin_mount("a"), Err(NotNow::Mounting));
+        p.end_mount("a");
+        assert!(p.begin_release("a", "d"));
+        assert!(!p.begin_release("a", "d"), "one worker per volume");
+        assert_eq!(p.begin_mount("a"), Err(NotNow::Releasing));
+        assert!(!p.wait_released("a", Duration::from_millis(10), || false));
+        p.end_release("a", "d", ReleaseState::Released);
+        assert!(p.wait_released("a", Duration::from_millis(10), || false));
+        assert_eq!(p.releases("a")["d"], ReleaseState::Released);
+        p.forget_releases("a");
+        assert!(p.releases("a").is_empty());
+    }
+
+    #[test]
+    fn old_release_reports_are_dropped() {
+        let p = Progress::default();
+        for i in 0..MAX_RELEASE_REPORTS + 5 {
+            let a = format!("a{i}");
+            assert!(p.begin_release(&a, "d"));
+            p.end_release(&a, "d", ReleaseState::Released);
+        }
+        assert!(p.releases("a0").is_empty());
+        assert_eq!(p.releases(&format!("a{MAX_RELEASE_REPORTS}")).len(), 1);
+    }
+}

@@ -1,0 +1,210 @@
+//! Restore: at start, before new requests are served, bring every recorded
+//! allocation back to what was asked. Intact mounts cost no call and no
+//! claim; vanished mounts are staged and published again under the claim
+//! still held; in-flight phases are finished; releases are resumed in the
+//! background.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::core::Core;
+use super::error::MountError;
+use super::mount::{self, MountGuard};
+use super::release;
+use crate::failpoints;
+use crate::mounts::MountTable;
+use crate::state::{Phase, StateError, StateFile};
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Published volumes found still mounted: no call made.
+    pub intact: usize,
+    /// Published volumes whose mount was gone and were redone.
+    pub remounted: usize,
+    pub mounts_finished: usize,
+    /// Allocation mounts still being finished when the restore returned
+    /// (waiting for a held claim or a slow plugin).
+    pub in_background: usize,
+    pub releases_resumed: usize,
+    pub errors: Vec<String>,
+}
+
+/// What the records ask for, sorted by what must happen.
+#[derive(Default)]
+struct Plan {
+    to_mount: Vec<String>,
+    to_release: Vec<String>,
+    /// Published but gone: back to the first node step.
+    remount: Vec<(String, String)>,
+    /// Cut off in `publishing` before a reboot: the staging is gone too.
+    restage: Vec<(String, String)>,
+    intact: usize,
+}
+
+fn plan(snapshot: &StateFile, table: &MountTable, rebooted: bool) -> Plan {
+    let mut p = Plan::default();
+    for a in snapshot.allocs.values() {
+        if a.releasing || a.volumes.values().any(|v| v.phase.is_teardown()) {
+            p.to_release.push(a.id.clone());
+            continue;
+        }
+        let mut needs = false;
+        for v in a.volumes.values() {
+            if v.phase == Phase::Published {
+                if !rebooted && table.is_mount_point(&v.target_path) {
+                    p.intact += 1;
+                    continue;
+                }
+                p.remount.push((a.id.clone(), v.alias.clone()));
+            } else if rebooted && v.phase == Phase::Publishing && v.holds_staging {
+                p.restage.push((a.id.clone(), v.alias.clone()));
+            }
+            needs = true;
+        }
+        if needs {
+            p.to_mount.push(a.id.clone());
+        }
+    }
+    p
+}
+
+pub fn restore(core: &Arc<Core>) -> RestoreReport {
+    failpoints::hit("restore-start");
+    let mut report = RestoreReport::default();
+    let table = match MountTable::read() {
+        Ok(t) => t,
+        Err(e) => {
+            report
+                .errors
+                .push(format!("cannot read {}: {e}", crate::mounts::MOUNTINFO));
+            return report;
+        }
+    };
+    let rebooted = core.store.rebooted();
+    if rebooted {
+        log::info!("the node rebooted since the state was written: every recorded mount is redone");
+    }
+    let p = plan(&core.store.snapshot(), &table, rebooted);
+    report.intact = p.intact;
+    // Gone mounts go back to their first node step, in one write, which
+    // also records this boot.
+    let r = core.store.update(|s| -> Result<(), StateError> {
+        for (alloc, alias) in p.remount.iter().chain(&p.restage) {
+            if let Some(v) = s.volume_mut(alloc, alias) {
+                v.phase = if v.holds_staging {
+                    Phase::Staging
+                } else {
+                    Phase::Publishing
+                };
+            }
+        }
+        s.boot_id = core.store.boot_id().to_string();
+        Ok(())
+    });
+    if let Err(e) = r {
+        report.errors.push(crate::error_chain(&e));
+        return report;
+    }
+    report.remounted = p.remount.len();
+    resume_releases(core, &p.to_release, &mut report);
+    finish_mounts(core, &p.to_mount, &mut report);
+    log::info!(
+        "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} still running, {} release(s) resumed, {} error(s)",
+        report.intact,
+        report.remounted,
+        report.mounts_finished,
+        report.in_background,
+        report.releases_resumed,
+        report.errors.len()
+    );
+    report
+}
+
+fn resume_releases(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
+    for id in ids {
+        // A teardown phase without the flag (should not happen) still means
+        // the release must go on.
+        let _ = core.store.update(|s| -> Result<(), StateError> {
+            if let Some(a) = s.alloc_mut(id) {
+                a.releasing = true;
+            }
+            Ok(())
+        });
+        match release::release(core, id) {
+            Ok(_) => report.releases_resumed += 1,
+            Err(e) => report
+                .errors
+                .push(format!("{id}: {}", crate::error_chain(&e))),
+        }
+    }
+}
+
+/// Finishes mounts on one worker per allocation. Requests are served only
+/// after they finished or `restore_wait` passed, whichever comes first: a
+/// mount that waits out a held claim (or a plugin that does not come back)
+/// goes on in the background, so it cannot keep the API, and with it the
+/// release that would free the claim, away.
+fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
+    let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
+    let mut started = 0;
+    for id in ids {
+        let guard = match mount::begin(core, id) {
+            Ok(g) => g,
+            Err(e) => {
+                report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e)));
+                continue;
+            }
+        };
+        let c = core.clone();
+        let (id2, tx) = (id.clone(), tx.clone());
+        let spawned = core.spawn(format!("restore-{id}"), move || {
+            let r = restore_alloc(&c, &id2, guard);
+            if let Err(e) = &r {
+                log::error!(
+                    "restore of allocation {id2}: {}; mount it again to retry",
+                    crate::error_chain(e)
+                );
+            }
+            let _ = tx.send((id2, r));
+        });
+        match spawned {
+            Ok(()) => started += 1,
+            Err(super::core::SpawnError::Stopping) => {}
+            Err(super::core::SpawnError::Io(e)) => report
+                .errors
+                .push(format!("{id}: restore worker could not start: {e}")),
+        }
+    }
+    drop(tx);
+    let deadline = Instant::now() + core.opts.restore_wait;
+    let mut failed = 0;
+    for _ in 0..started {
+        match rx.recv_deadline(deadline) {
+            Ok((_, Ok(()))) => report.mounts_finished += 1,
+            Ok((id, Err(e))) => {
+                failed += 1;
+                report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e)));
+            }
+            Err(_) => break,
+        }
+    }
+    report.in_background = started - report.mounts_finished - failed;
+}
+
+fn restore_alloc(core: &Core, alloc_id: &str, _guard: MountGuard) -> Result<(), MountError> {
+    let aliases: Vec<String> = core.store.read(|s| {
+        s.allocs
+            .get(alloc_id)
+            .map(|a| a.volumes.keys().cloned().collect())
+            .unwrap_or_default()
+    });
+    let deadline = Instant::now() + core.opts.mount_retry_deadline;
+    for alias in aliases {
+        mount::mount_volume(core, alloc_id, &alias, deadline)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! What `alloc status` shows: the durable record of each volume, with the
+//! live step of a running mount (what it waits on) and the latest release
+//! report, both kept in memory.
+
+use std::path::PathBuf;
+
+use super::core::Core;
+use super::progress::ReleaseState;
+use crate::state::Phase;
+use crate::volumes::AttachmentMode;
+
+/// One volume in a status answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeStatus {
+    pub alias: String,
+    pub volume_id: String,
+    pub plugin_id: String,
+    pub phase: Option<Phase>,
+    pub host_path: PathBuf,
+    pub read_only: bool,
+    pub attachment: AttachmentMode,
+    pub release: Option<ReleaseState>,
+    /// What a running mount or restore is waiting on, if anything.
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocStatus {
+    pub id: String,
+    pub releasing: bool,
+    pub volumes: Vec<VolumeStatus>,
+}
+
+/// A volume whose release finished has no record any more: only its
+/// in-memory release report is left.
+fn released(alias: String, st: ReleaseState) -> VolumeStatus {
+    VolumeStatus {
+        alias,
+        volume_id: String::new(),
+        plugin_id: String::new(),
+        phase: None,
+        host_path: PathBuf::new(),
+        read_only: false,
+        attachment: AttachmentMode::FileSystem,
+        release: Some(st),
+        message: String::new(),
+    }
+}
+
+pub fn alloc_status(core: &Core, alloc_id: &str) -> Option<AllocStatus> {
+    let rec = core.store.read(|s| s.allocs.get(alloc_id).cloned());
+    let mut releases = core.progress.releases(alloc_id);
+    match rec {
+        Some(a) => {
+            let mut volumes: Vec<VolumeStatus> = a
+                .volumes
+                .values()
+                .map(|v| VolumeStatus {
+                    alias: v.alias.clone(),
+                    volume_id: v.volume_id.clone(),
+                    plugin_id: v.plugin_id.clone(),
+                    phase: Some(v.phase),
+                    host_path: v.target_path.clone(),
+                    read_only: v.usage.read_only,
+                    attachment: v.usage.attachment,
+                    release: releases.remove(&v.alias),
+                    message: core.progress.message(alloc_id, &v.alias),
+                })
+                .collect();
+            volumes.extend(releases.into_iter().map(|(al, st)| released(al, st)));
+            volumes.sort_by(|x, y| x.alias.cmp(&y.alias));
+            Some(AllocStatus {
+                id: a.id.clone(),
+                releasing: a.releasing,
+                volumes,
+            })
+        }
+        None if !releases.is_empty() => Some(AllocStatus {
+            id: alloc_id.to_string(),
+            releasing: true,
+            volumes: releases
+                .into_iter()
+                .map(|(al, st)| released(al, st))
+                .collect(),
+        }),
+        None => None,
+    }
+}
+
+pub fn list_allocs(core: &Core) -> Vec<AllocStatus> {
+    let ids: Vec<String> = core.store.read(|s| s.allocs.keys().cloned().collect());
+    ids.iter().filter_map(|id| alloc_status(core, id)).collect()
+}

@@ -1,0 +1,351 @@
+//! What claimd records: volume registrations, claims and allocation
+//! records, shared by `Arc` so an update copies pointers, not records.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::SCHEMA_VERSION;
+use crate::volumes::requests::VolumeRef;
+use crate::volumes::spec::{AccessMode, Usage, VolumeSpec};
+
+// ---- Claims ----------------------------------------------------------------
+
+/// How an allocation uses a claimed volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimMode {
+    Read,
+    Write,
+}
+
+impl ClaimMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ClaimMode::Read => "read",
+            ClaimMode::Write => "write",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClaimState {
+    /// Held: the allocation may use the volume.
+    Taken,
+    /// The allocation is releasing the volume; still held until freed.
+    Releasing,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Claim {
+    pub volume_id: String,
+    pub alloc_id: String,
+    pub node: String,
+    pub mode: ClaimMode,
+    pub access_mode: AccessMode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external_node_id: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub publish_context: BTreeMap<String, String>,
+    pub state: ClaimState,
+}
+
+// ---- Allocation records ------------------------------------------------------
+
+/// Where one allocation volume stands. `*ing` phases are in flight: the
+/// named CSI call may or may not have happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// The claim is being taken.
+    Claiming,
+    ControllerPublishing,
+    Staging,
+    Publishing,
+    /// Mounted at the target path.
+    Published,
+    Unpublishing,
+    Unstaging,
+    ControllerUnpublishing,
+    /// Node and controller are done; the claim is being freed.
+    ReleasingClaim,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Claiming => "claiming",
+            Phase::ControllerPublishing => "controller-publishing",
+            Phase::Staging => "staging",
+            Phase::Publishing => "publishing",
+            Phase::Published => "published",
+            Phase::Unpublishing => "unpublishing",
+            Phase::Unstaging => "unstaging",
+            Phase::ControllerUnpublishing => "controller-unpublishing",
+            Phase::ReleasingClaim => "releasing-claim",
+        }
+    }
+
+    /// Phases of the way down.
+    pub fn is_teardown(self) -> bool {
+        matches!(
+            self,
+            Phase::Unpublishing
+                | Phase::Unstaging
+                | Phase::ControllerUnpublishing
+                | Phase::ReleasingClaim
+        )
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One volume of one allocation: what recovery needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocVolume {
+    pub alias: String,
+    pub volume_id: String,
+    pub plugin_id: String,
+    /// The plugin's ID of the volume.
+    pub external_volume_id: String,
+    /// The node plugin's node ID used for ControllerPublish; the detach
+    /// uses this recorded value, never a fresh lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external_node_id: Option<String>,
+    pub usage: Usage,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mount_flags: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging_path: Option<PathBuf>,
+    pub target_path: PathBuf,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub publish_context: BTreeMap<String, String>,
+    /// This record counts as a user of the controller attachment of the
+    /// volume on this node (set before ControllerPublish is sent).
+    #[serde(default)]
+    pub holds_attachment: bool,
+    /// This record counts as a user of the staging path (set before
+    /// NodeStage is sent).
+    #[serde(default)]
+    pub holds_staging: bool,
+    pub phase: Phase,
+}
+
+impl AllocVolume {
+    /// The record as the CSI request builders take it.
+    pub fn volume_ref(&self) -> VolumeRef<'_> {
+        VolumeRef {
+            external_volume_id: &self.external_volume_id,
+            external_node_id: self.external_node_id.as_deref(),
+            usage: &self.usage,
+            mount_flags: &self.mount_flags,
+            staging_path: self.staging_path.as_deref(),
+            target_path: &self.target_path,
+            publish_context: &self.publish_context,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocRecord {
+    pub id: String,
+    /// A release was asked for (or a failed mount is being rolled back):
+    /// every volume goes down, whatever its phase.
+    #[serde(default)]
+    pub releasing: bool,
+    /// Alias -> volume. Shared like the records above it, so changing one
+    /// volume of a large allocation copies pointers, not its other volumes.
+    pub volumes: BTreeMap<String, Arc<AllocVolume>>,
+}
+
+/// (volume ID, allocation ID): the key of a claim.
+pub type ClaimKey = (String, String);
+
+/// A map of shared records that is itself shared: cloning it (every state
+/// update starts from a clone) copies one pointer; the first change to a
+/// shared map copies the map, never the records. Reads go through `Deref`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SharedMap<K: Ord, V>(Arc<BTreeMap<K, Arc<V>>>);
+
+impl<K: Ord, V> Default for SharedMap<K, V> {
+    fn default() -> Self {
+        SharedMap(Arc::new(BTreeMap::new()))
+    }
+}
+
+impl<K: Ord, V> std::ops::Deref for SharedMap<K, V> {
+    type Target = BTreeMap<K, Arc<V>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl<K: Ord + Clone, V> SharedMap<K, V> {
+    pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
+        SharedMap(Arc::new(m))
+    }
+
+    /// The map for changing (copied first when shared).
+    pub fn make_mut(&mut self) -> &mut BTreeMap<K, Arc<V>> {
+        Arc::make_mut(&mut self.0)
+    }
+
+    /// Whether both are the same map (then equal without looking).
+    pub fn same(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+
+    pub fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
+        self.make_mut().insert(k, v)
+    }
+
+    pub fn remove<Q>(&mut self, k: &Q) -> Option<Arc<V>>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        if !self.0.contains_key(k) {
+            return None;
+        }
+        self.make_mut().remove(k)
+    }
+
+    pub fn get_mut<Q>(&mut self, k: &Q) -> Option<&mut Arc<V>>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        if !self.0.contains_key(k) {
+            return None;
+        }
+        self.make_mut().get_mut(k)
+    }
+
+    pub fn values_mut(&mut self) -> std::collections::btree_map::ValuesMut<'_, K, Arc<V>> {
+        self.make_mut().values_mut()
+    }
+
+    pub fn clear(&mut self) {
+        if !self.0.is_empty() {
+            self.make_mut().clear();
+        }
+    }
+}
+
+/// Everything claimd records. Records are shared (`Arc`) between the durable
+/// copy and the copies updates work on, so an update clones pointers, not
+/// records, and the journal finds what changed by pointer comparison.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateFile {
+    pub schema_version: u32,
+    /// Boot ID of the kernel this state was last converged on.
+    pub boot_id: String,
+    #[serde(default)]
+    pub volumes: SharedMap<String, VolumeSpec>,
+    /// Written as a list of claims, ordered by volume, then allocation.
+    #[serde(default, with = "claim_list")]
+    pub claims: SharedMap<ClaimKey, Claim>,
+    #[serde(default)]
+    pub allocs: SharedMap<String, AllocRecord>,
+}
+
+/// Claims in the file are a list (as in every earlier file); in memory they
+/// are keyed by (volume, allocation).
+mod claim_list {
+    use super::*;
+    use serde::de::Error as _;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        m: &SharedMap<ClaimKey, Claim>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.values())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<SharedMap<ClaimKey, Claim>, D::Error> {
+        let list: Vec<Claim> = Vec::deserialize(d)?;
+        let mut m = BTreeMap::new();
+        for c in list {
+            let key = (c.volume_id.clone(), c.alloc_id.clone());
+            if m.insert(key, Arc::new(c)).is_some() {
+                return Err(D::Error::custom(
+                    "two claims of one allocation on one volume",
+                ));
+            }
+        }
+        Ok(SharedMap::from_map(m))
+    }
+}
+
+impl StateFile {
+    pub fn new(boot_id: &str) -> StateFile {
+        StateFile {
+            schema_version: SCHEMA_VERSION,
+            boot_id: boot_id.to_string(),
+            volumes: SharedMap::default(),
+            claims: SharedMap::default(),
+            allocs: SharedMap::default(),
+        }
+    }
+
+    /// Every (alloc, alias, record), in order.
+    pub fn alloc_volumes(&self) -> impl Iterator<Item = (&AllocRecord, &AllocVolume)> {
+        self.allocs
+            .values()
+            .flat_map(|a| a.volumes.values().map(move |v| (&**a, &**v)))
+    }
+
+    /// The allocation's record, for changing (copied first when shared).
+    pub fn alloc_mut(&mut self, alloc: &str) -> Option<&mut AllocRecord> {
+        self.allocs.get_mut(alloc).map(Arc::make_mut)
+    }
+
+    pub fn volume_mut(&mut self, alloc: &str, alias: &str) -> Option<&mut AllocVolume> {
+        self.alloc_mut(alloc)?
+            .volumes
+            .get_mut(alias)
+            .map(Arc::make_mut)
+    }
+
+    pub fn volume(&self, alloc: &str, alias: &str) -> Option<&AllocVolume> {
+        self.allocs.get(alloc)?.volumes.get(alias).map(|v| &**v)
+    }
+
+    /// The claims on one volume.
+    pub fn claims_on<'a>(&'a self, volume_id: &str) -> impl Iterator<Item = &'a Claim> + 'a {
+        let from = (volume_id.to_string(), String::new());
+        let volume_id = volume_id.to_string();
+        self.claims
+            .range(from..)
+            .take_while(move |((v, _), _)| *v == volume_id)
+            .map(|(_, c)| &**c)
+    }
+
+    pub fn claim(&self, volume_id: &str, alloc_id: &str) -> Option<&Claim> {
+        self.claims
+            .get(&(volume_id.to_string(), alloc_id.to_string()))
+            .map(|c| &**c)
+    }
+
+    pub fn claim_mut(&mut self, volume_id: &str, alloc_id: &str) -> Option<&mut Claim> {
+        self.claims
+            .get_mut(&(volume_id.to_string(), alloc_id.to_string()))
+            .map(Arc::make_mut)
+    }
+}

@@ -1,0 +1,162 @@
+//! Usage counting: which records count as users of a volume's staging path
+//! and of its controller attachment on this node. Rebuilt from the records
+//! on every question, never kept only in memory: a record counts as a user
+//! from the write that sets its `holds_*` flag (before the call it stands
+//! for) until the write that clears it (after the teardown call).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::model::{AllocVolume, Phase, StateFile};
+
+/// (allocation ID, alias): one volume record.
+pub type RecordKey<'a> = (&'a str, &'a str);
+
+impl StateFile {
+    /// Other records that hold the staging path `path`.
+    pub fn staging_users(&self, path: &Path, except: RecordKey<'_>) -> usize {
+        self.alloc_volumes()
+            .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
+            .filter(|(_, v)| v.holds_staging && v.staging_path.as_deref() == Some(path))
+            .count()
+    }
+
+    /// Other records that hold the controller attachment of `volume_id`.
+    pub fn attachment_users(&self, volume_id: &str, except: RecordKey<'_>) -> Vec<&AllocVolume> {
+        self.alloc_volumes()
+            .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
+            .filter(|(_, v)| v.holds_attachment && v.volume_id == volume_id)
+            .map(|(_, v)| v)
+            .collect()
+    }
+
+    /// The publish context of an attachment of `volume_id` to
+    /// `external_node_id` that another record already established (its
+    /// ControllerPublish answered), if any: a second user shares it
+    /// instead of calling again.
+    pub fn established_attachment(
+        &self,
+        volume_id: &str,
+        external_node_id: Option<&str>,
+        except: RecordKey<'_>,
+    ) -> Option<BTreeMap<String, String>> {
+        self.attachment_users(volume_id, except)
+            .into_iter()
+            .find(|o| {
+                attachment_established(o.phase) && o.external_node_id.as_deref() == external_node_id
+            })
+            .map(|o| o.publish_context.clone())
+    }
+
+    /// Whether another record already staged `path` (its NodeStage
+    /// answered): a second user shares it instead of staging again.
+    pub fn staging_established(&self, path: &Path, except: RecordKey<'_>) -> bool {
+        self.alloc_volumes().any(|(a, o)| {
+            (a.id.as_str(), o.alias.as_str()) != except
+                && o.holds_staging
+                && o.staging_path.as_deref() == Some(path)
+                && staging_established(o.phase)
+        })
+    }
+}
+
+/// Phases in which a record's controller attachment is known done.
+fn attachment_established(p: Phase) -> bool {
+    matches!(
+        p,
+        Phase::Staging
+            | Phase::Publishing
+            | Phase::Published
+            | Phase::Unpublishing
+            | Phase::Unstaging
+    )
+}
+
+/// Phases in which a record's staging is known done.
+fn staging_established(p: Phase) -> bool {
+    matches!(
+        p,
+        Phase::Publishing | Phase::Published | Phase::Unpublishing
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::state::AllocRecord;
+    use crate::volumes::{AccessMode, AttachmentMode, Usage};
+
+    fn rec(alias: &str, phase: Phase, staging: bool, attach: bool) -> AllocVolume {
+        AllocVolume {
+            alias: alias.into(),
+            volume_id: "v".into(),
+            plugin_id: "p".into(),
+            external_volume_id: "x".into(),
+            external_node_id: attach.then(|| "n1".to_string()),
+            usage: Usage {
+                access_mode: AccessMode::MultiNodeMultiWriter,
+                attachment: AttachmentMode::FileSystem,
+                read_only: false,
+            },
+            mount_flags: Vec::new(),
+            staging_path: staging.then(|| PathBuf::from("/m/staging/v")),
+            target_path: PathBuf::from(format!("/m/per-alloc/{alias}")),
+            publish_context: [("k".to_string(), alias.to_string())].into(),
+            holds_attachment: attach,
+            holds_staging: staging,
+            phase,
+        }
+    }
+
+    fn state(recs: Vec<(&str, AllocVolume)>) -> StateFile {
+        let mut s = StateFile::new("b");
+        for (alloc, v) in recs {
+            s.allocs.insert(
+                alloc.to_string(),
+                Arc::new(AllocRecord {
+                    id: alloc.to_string(),
+                    releasing: false,
+                    volumes: [(v.alias.clone(), Arc::new(v))].into(),
+                }),
+            );
+        }
+        s
+    }
+
+    #[test]
+    fn users_are_counted_from_the_records_except_the_asking_one() {
+        let staging = Path::new("/m/staging/v");
+        let s = state(vec![
+            ("a1", rec("d", Phase::Published, true, true)),
+            ("a2", rec("d", Phase::Staging, true, true)),
+            ("a3", rec("d", Phase::Publishing, false, false)),
+        ]);
+        assert_eq!(s.staging_users(staging, ("a1", "d")), 1);
+        assert_eq!(s.staging_users(staging, ("a9", "d")), 2);
+        assert_eq!(s.attachment_users("v", ("a2", "d")).len(), 1);
+        assert_eq!(s.attachment_users("other", ("a9", "d")).len(), 0);
+    }
+
+    #[test]
+    fn only_answered_calls_are_shared() {
+        let staging = Path::new("/m/staging/v");
+        // a2 set its flags before its calls; neither answered yet.
+        let s = state(vec![(
+            "a2",
+            rec("d", Phase::ControllerPublishing, true, true),
+        )]);
+        assert!(!s.staging_established(staging, ("a1", "d")));
+        assert_eq!(s.established_attachment("v", Some("n1"), ("a1", "d")), None);
+        let s = state(vec![("a2", rec("d", Phase::Publishing, true, true))]);
+        assert!(s.staging_established(staging, ("a1", "d")));
+        let ctx = s
+            .established_attachment("v", Some("n1"), ("a1", "d"))
+            .expect("shared");
+        assert_eq!(ctx["k"], "d");
+        // Another node's attachment is not this node's.
+        assert_eq!(s.established_attachment("v", Some("n2"), ("a1", "d")), None);
+    }
+}
