@@ -12,7 +12,6 @@ pub mod agent;
 pub mod api;
 pub mod claims;
 pub mod cli;
-pub mod commands;
 pub mod config;
 pub mod csi;
 pub mod failpoints;

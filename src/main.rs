@@ -3,5 +3,11 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    ExitCode::from(claimd::cli::run(std::env::args().collect()))
+    match claimd::cli::run(std::env::args().collect()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("claimd: {}", claimd::error_chain(&e));
+            e.exit_code()
+        }
+    }
 }

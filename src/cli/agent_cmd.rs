@@ -1,0 +1,191 @@
+//! `claimd agent`: runs the node agent until SIGTERM or SIGINT.
+
+use std::path::{Path, PathBuf};
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+
+use super::error::CliError;
+use crate::agent::{dev_dir, Agent};
+use crate::config::{self, format_duration, Config};
+use crate::shutdown::Shutdown;
+
+pub fn help() -> String {
+    let d = config::Timeouts::default();
+    format!(
+        "claimd agent: run the node agent.
+
+USAGE:
+    claimd agent [--config PATH] [--dev]
+
+OPTIONS:
+    --config PATH   JSON config file [default: {cfg}]; also
+                    --config=PATH. A missing file at the default path means
+                    all defaults; a missing file given explicitly is an
+                    error.
+    --dev           Development mode: state and mount root in
+                    {tmp}/claimd-dev (kept if the agent crashes, so a
+                    restarted --dev agent picks its allocations up), debug
+                    logs, and on a graceful stop every volume it mounted is
+                    released (best effort, bounded) and the directory removed.
+    -h, --help      Print this help.
+
+CONFIG FIELDS (all optional) AND DEFAULTS:
+    state_dir               {state}
+    api_socket              {api}
+    mount_root              {mounts}
+    plugin_dir              none (layout: <dir>/<plugin-id>/csi.sock,
+                            node.sock or controller.sock)
+    plugins                 [] of {{\"id\", \"type\": node|controller|monolith,
+                            \"socket\": absolute path}}
+    node_name               this host's name
+    csi_call_timeout        {call}
+    plugin_wait_timeout     {wait}
+    probe_interval          {probe}
+    claim_retry_deadline    {claim}
+    release_retry_deadline  {release}
+Durations are written like 500ms, 30s, 5m, 2h, 1d.
+
+SIGNALS:
+    SIGTERM, SIGINT  stop gracefully: nothing is unmounted; the next start
+                     resumes from the state file. Exits within the CSI call
+                     timeout plus a second.
+
+LOGS:
+    RUST_LOG=debug shows one line per CSI call (default: info).
+
+EXIT CODES:
+    0  stopped gracefully (SIGTERM, SIGINT)
+    1  the agent failed to start (the message says why)
+    2  bad arguments or a bad config
+",
+        cfg = config::DEFAULT_CONFIG_PATH,
+        tmp = std::env::temp_dir().display(),
+        state = config::DEFAULT_STATE_DIR,
+        api = config::DEFAULT_API_SOCKET,
+        mounts = config::DEFAULT_MOUNT_ROOT,
+        call = format_duration(d.csi_call),
+        wait = format_duration(d.plugin_wait),
+        probe = format_duration(d.probe_interval),
+        claim = format_duration(d.claim_retry_deadline),
+        release = format_duration(d.release_retry_deadline),
+    )
+}
+
+/// The config named on the command line, or the default one (all
+/// defaults when the default file is missing).
+pub fn load_config(path: Option<&Path>) -> Result<Config, CliError> {
+    let Some(path) = path else {
+        let default = Path::new(config::DEFAULT_CONFIG_PATH);
+        if !default.exists() {
+            return Ok(Config::default());
+        }
+        return Ok(Config::load(default)?);
+    };
+    Ok(Config::load(path)?)
+}
+
+fn init_logger(default: &str) {
+    let env = env_logger::Env::default().default_filter_or(default);
+    let _ = env_logger::Builder::from_env(env)
+        .format(|buf, record| {
+            use std::io::Write;
+            let t = std::thread::current();
+            writeln!(
+                buf,
+                "{} {:5} [{}] {}",
+                buf.timestamp_millis(),
+                record.level(),
+                t.name().unwrap_or("-"),
+                record.args()
+            )
+        })
+        .try_init();
+}
+
+/// glibc gives every thread that allocates its own malloc arena, and keeps
+/// what each arena once held: with many short request threads cloning a
+/// large state, resident memory grows far past what is in use. Two arenas
+/// are plenty for an agent whose hot path is fsync-bound.
+fn limit_malloc_arenas() {
+    // SAFETY: mallopt only tunes the allocator; called before the agent's
+    // threads start.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+/// Runs `claimd agent ARGS...` until a signal stops it.
+pub fn run(args: &[String]) -> Result<(), CliError> {
+    let usage = |message: String| CliError::usage(message, "claimd agent");
+    let mut config_path: Option<PathBuf> = None;
+    let mut dev = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-h" | "--help" => {
+                print!("{}", help());
+                return Ok(());
+            }
+            "--dev" => dev = true,
+            "--config" => match it.next() {
+                Some(p) => config_path = Some(PathBuf::from(p)),
+                None => return Err(usage("--config needs a path".into())),
+            },
+            a if a.starts_with("--config=") => {
+                config_path = Some(PathBuf::from(&a["--config=".len()..]));
+            }
+            other => return Err(usage(format!("unknown argument {other:?}"))),
+        }
+    }
+    init_logger(if dev { "debug" } else { "info" });
+    limit_malloc_arenas();
+    let mut config = load_config(config_path.as_deref())?;
+    if dev {
+        let d = dev_dir().map_err(|e| CliError::AgentStart { source: e.into() })?;
+        config.state_dir = d.join("state");
+        config.mount_root = d.join("mounts");
+        log::info!("dev mode: state and mounts under {}", d.display());
+    }
+    let shutdown = Shutdown::new();
+    let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(1);
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
+        .map_err(|source| CliError::Signals { source })?;
+    let handle = signals.handle();
+    {
+        let shutdown = shutdown.clone();
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                if let Some(sig) = signals.forever().next() {
+                    log::info!("signal {sig} received: stopping");
+                    let _ = stop_tx.try_send(());
+                    // Outside dev mode nothing is released on stop, so every
+                    // wait and retry loop may stop at once.
+                    if !dev {
+                        shutdown.trigger();
+                    }
+                }
+            })
+            .map_err(|source| CliError::SpawnThread {
+                name: "signals",
+                source,
+            })?;
+    }
+    // The error is printed once, by `main`: not logged here too.
+    let agent = match Agent::start(config, dev, shutdown.clone()) {
+        Ok(a) => a,
+        Err(e) => {
+            shutdown.trigger();
+            handle.close();
+            return Err(CliError::AgentStart { source: e.into() });
+        }
+    };
+    log::info!("claimd {} running", env!("CARGO_PKG_VERSION"));
+    crossbeam_channel::select! {
+        recv(stop_rx) -> _ => {},
+        recv(shutdown.receiver()) -> _ => {},
+    }
+    agent.stop();
+    handle.close();
+    Ok(())
+}
