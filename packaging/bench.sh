@@ -2,17 +2,18 @@
 # Benchmarks (as root: real mounts): builds the agent, the test plugin and
 # the benchmark in release mode (the static build's target directory, so the
 # gRPC core is compiled once for both), runs them on this machine, prints a
-# table, and writes target/bench/results.json.
+# table, and writes ${CARGO_TARGET_DIR:-target}/bench/results.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=x86_64-unknown-linux-gnu
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked --target "$target" \
   --bin claimd --bin claimd-test-plugin --bin claimd-bench >&2
-dir="target/$target/release"
+target_dir=${CARGO_TARGET_DIR:-target}
+dir="$target_dir/$target/release"
 # The agent runs stripped, as build-static.sh ships it, so the size the
 # bench reports is the shipped one.
-mkdir -p target/bench
-strip -o target/bench/claimd "$dir/claimd"
-"$dir/claimd-bench" --agent target/bench/claimd --plugin "$dir/claimd-test-plugin" \
-  --out target/bench/results.json "$@"
+mkdir -p "$target_dir/bench"
+strip -o "$target_dir/bench/claimd" "$dir/claimd"
+"$dir/claimd-bench" --agent "$target_dir/bench/claimd" --plugin "$dir/claimd-test-plugin" \
+  --out "$target_dir/bench/results.json" "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds target/debian/claimd_<version>_amd64.deb with Debian's own tools
+# Builds ${CARGO_TARGET_DIR:-target}/debian/claimd_<version>_amd64.deb with Debian's own tools
 # (dpkg-deb): the static binary in /usr/bin, the unit in the systemd system
 # directory, the config as a conffile under /etc/claimd, maintainer scripts.
 # Prints the package's path on the last line.
@@ -13,7 +13,7 @@ version=${VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)}
 arch=amd64
 bin=${CLAIMD_BIN:-$(packaging/build-static.sh | tail -1)}
 
-out=target/debian
+out=${CARGO_TARGET_DIR:-target}/debian
 root="$out/claimd_${version}_${arch}"
 rm -rf "$root"
 install -d -m 0755 "$root/DEBIAN" "$root/usr/bin" "$root/lib/systemd/system" \

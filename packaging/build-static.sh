@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds a fully static, stripped claimd for x86_64 Linux:
-#   target/x86_64-unknown-linux-gnu/release/claimd
+#   ${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/claimd
 # glibc's static libc and the C++ runtime (libstdc++) are linked in, so the
 # binary runs in an empty chroot. Prints the path on the last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=x86_64-unknown-linux-gnu
+# Cargo builds into $CARGO_TARGET_DIR when it is set.
+target_dir=${CARGO_TARGET_DIR:-target}
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked --target "$target" --bin claimd >&2
-bin="target/$target/release/claimd"
+bin="$target_dir/$target/release/claimd"
 strip --strip-all --remove-section=.comment "$bin"
 echo "$bin"

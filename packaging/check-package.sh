@@ -64,7 +64,7 @@ say "building the static binary and the static test plugin"
 bin=$(packaging/build-static.sh | tail -1)
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked --target "$target" --bin claimd-test-plugin >&2
-plugin_bin="target/$target/release/claimd-test-plugin"
+plugin_bin="${CARGO_TARGET_DIR:-target}/$target/release/claimd-test-plugin"
 file "$bin" | tee /dev/stderr | grep -q 'static-pie linked\|statically linked' || fail "$bin is not static"
 if ldd "$bin" 2>&1 | grep -q '=>'; then fail "ldd finds dynamic dependencies in $bin"; fi
 size=$(stat -c %s "$bin")

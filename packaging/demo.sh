@@ -25,8 +25,9 @@ fi
 echo "demo: building (the first build compiles gRPC's C core: a few minutes)"
 cargo build --locked --bin claimd --bin claimd-test-plugin 2>&1 | tail -1
 
-claimd=$PWD/target/debug/claimd
-plugin_bin=$PWD/target/debug/claimd-test-plugin
+target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}")
+claimd=$target_dir/debug/claimd
+plugin_bin=$target_dir/debug/claimd-test-plugin
 demo=$(mktemp -d /tmp/claimd-demo.XXXXXX)
 export TMPDIR=$demo # the --dev state lives in $TMPDIR/claimd-dev
 agent_pid="" plugin_pid=""
