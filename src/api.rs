@@ -53,6 +53,8 @@ fn mount_status(e: &MountError) -> RpcStatus {
         MountError::Claim { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::Csi { .. } => RpcStatusCode::INTERNAL,
         MountError::Timeout { .. } => RpcStatusCode::DEADLINE_EXCEEDED,
+        MountError::Incompatible { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        MountError::VolumeLimit { .. } => RpcStatusCode::RESOURCE_EXHAUSTED,
         MountError::State(_) => RpcStatusCode::INTERNAL,
         MountError::Shutdown => RpcStatusCode::UNAVAILABLE,
     };

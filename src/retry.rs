@@ -44,6 +44,14 @@ impl Backoff {
         }
     }
 
+    /// Starts over (a step went through): the next wait is the initial
+    /// one again, so one step's failures never lengthen the next step's
+    /// first retry. The deadline stays.
+    pub fn reset(&mut self) {
+        self.next = self.policy.initial;
+        self.attempts = 0;
+    }
+
     pub fn attempts(&self) -> u32 {
         self.attempts
     }

@@ -25,7 +25,7 @@ use claimd::lifecycle::{
 };
 use claimd::plugins::PluginKind;
 use claimd::state::{Phase, StateError, StateStore};
-use claimd::volumes::AccessMode;
+use claimd::volumes::{AccessMode, AttachmentMode};
 use common::*;
 use lifecycle_support::*;
 use serde_json::{json, Value};
@@ -163,7 +163,7 @@ fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
     let target = h.target("a1", "v", SNW);
-    let staging = h.staging("v", SNW);
+    let staging = h.staging("v");
 
     let mounted = h
         .m()
@@ -280,7 +280,7 @@ fn read_only_request_gives_a_read_only_mount() {
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
     let usage = "ro-file-system-single-node-writer";
     let target = h.target("a1", "v", usage);
-    let staging = h.staging("v", usage);
+    let staging = h.staging("v");
 
     let mounted = h
         .m()
@@ -423,7 +423,7 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
     assert_eq!(calls[8]["target_path"], path_str(&t2));
     assert_eq!(
         mount_points_under(&h.mount_root),
-        sorted(vec![h.staging("v", SNW), t2])
+        sorted(vec![h.staging("v"), t2])
     );
     assert_eq!(
         h.m().claims().list(),
@@ -491,7 +491,7 @@ fn two_allocations_share_one_staging_and_one_attachment() {
     let h = Harness::new();
     h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
     let usage = "rw-file-system-multi-node-multi-writer";
-    let staging = h.staging("v", usage);
+    let staging = h.staging("v");
     let (t1, t2) = (h.target("a1", "v", usage), h.target("a2", "v", usage));
 
     h.m()
@@ -610,8 +610,8 @@ fn mount_two_allocations(h: &Harness) -> Vec<PathBuf> {
         .mount("a2", &[request("shared", "w", false)])
         .expect("mount a2");
     let points = sorted(vec![
-        h.staging("v", SNW),
-        h.staging("w", mnmw),
+        h.staging("v"),
+        h.staging("w"),
         h.target("a1", "v", SNW),
         h.target("a1", "w", mnmw),
         h.target("a2", "w", mnmw),
@@ -758,7 +758,7 @@ fn restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims() {
 /// real mount of a1/data -> v by undoing what had not happened yet.
 fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
     let target = h.target("a1", "v", SNW);
-    let staging = h.staging("v", SNW);
+    let staging = h.staging("v");
     use Phase::*;
     let target_mounted = matches!(
         (phase, happened),
@@ -860,7 +860,7 @@ fn restore_converges_from(phase: Phase, happened: bool) {
     let mut h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
     let target = h.target("a1", "v", SNW);
-    let staging = h.staging("v", SNW);
+    let staging = h.staging("v");
     h.m()
         .mount("a1", &[request("data", "v", false)])
         .expect("mount");
@@ -997,7 +997,7 @@ fn restore_after_a_reboot_converges_from_in_flight_phases() {
             assert_eq!(st.boot_id, "boot-2");
             assert_eq!(
                 mount_points_under(&h.mount_root),
-                sorted(vec![h.staging("v", SNW), h.target("a1", "v", SNW)]),
+                sorted(vec![h.staging("v"), h.target("a1", "v", SNW)]),
                 "{case}"
             );
         }
@@ -1091,7 +1091,7 @@ fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node
     assert_down_details(
         &calls[3..].iter().collect::<Vec<_>>(),
         "v",
-        &h.staging("v", SNW),
+        &h.staging("v"),
         &target,
         PLUGIN_NODE_ID,
     );
@@ -1155,7 +1155,7 @@ fn one_stuck_volume_does_not_hold_back_the_other_nine() {
     assert_eq!(claim_list(&st)[0].state, ClaimState::Releasing);
     assert_eq!(
         mount_points_under(&h.mount_root),
-        sorted(vec![h.staging("v9", SNW), h.target("a1", "v9", SNW)])
+        sorted(vec![h.staging("v9"), h.target("a1", "v9", SNW)])
     );
     assert_eq!(
         h.attachments(),
@@ -1375,7 +1375,7 @@ fn plugin_without_stage_or_controller_gets_only_the_calls_it_advertises() {
         let h = Harness::with_plugin(|b| b.args(flags));
         h.register(spec("v", &[AccessMode::SingleNodeWriter]));
         let target = h.target("a1", "v", SNW);
-        let staging = h.staging("v", SNW);
+        let staging = h.staging("v");
         h.m()
             .mount("a1", &[request("data", "v", false)])
             .expect("mount");
@@ -1517,6 +1517,274 @@ fn restore_does_not_block_on_a_claim_held_by_another_allocation() {
     assert!(h.m().claims().list().is_empty());
 }
 
+// ---- CSI conformance (issue 12) ------------------------------------------------
+
+/// A volume has one staging path on a node, whatever the allocations ask:
+/// read-only is asked at NodePublish. An allocation that needs another
+/// attachment (block device vs file system) is refused at once, naming
+/// the allocation that uses the volume.
+fn one_staging_path_per_volume_read_only_at_publish() {
+    let h = Harness::new();
+    let mut s = spec("v", &[AccessMode::MultiNodeMultiWriter]);
+    s.attachment_modes = vec![AttachmentMode::FileSystem, AttachmentMode::BlockDevice];
+    h.register(s);
+    let staging = h.staging("v");
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("a1");
+    h.m()
+        .mount("a2", &[request("data", "v", false)])
+        .expect("a2");
+    let ro = h
+        .m()
+        .mount("a3", &[request("data", "v", true)])
+        .expect("a3 read-only shares the staging");
+    assert!(ro[0].read_only);
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v"), (NP, "v"), (NP, "v")])
+    );
+    let calls = h.lifecycle_calls();
+    for np in &calls[2..5] {
+        assert_eq!(np["staging_target_path"], path_str(&staging), "{np}");
+    }
+    assert_eq!(calls[2]["readonly"], json!(false));
+    assert_eq!(calls[4]["readonly"], json!(true));
+    // A block device cannot share a file-system staging: refused at once.
+    let mut block = request("raw", "v", false);
+    block.attachment = Some(AttachmentMode::BlockDevice);
+    let before = h.state_on_disk();
+    let err = h
+        .m()
+        .mount("a4", &[block])
+        .expect_err("block beside file system");
+    match &err {
+        MountError::Incompatible { holder, .. } => assert_eq!(holder, "a1"),
+        other => panic!("unexpected error {other:?}"),
+    }
+    let msg = claimd::error_chain(&err);
+    assert!(
+        msg.contains("file-system") && msg.contains("block-device") && msg.contains("a1"),
+        "{msg}"
+    );
+    assert_eq!(
+        h.lifecycle_calls().len(),
+        5,
+        "no call for the refused mount"
+    );
+    assert_eq!(h.state_on_disk(), before, "nothing recorded or claimed");
+    for a in ["a1", "a2", "a3"] {
+        h.m().release(a).expect("release");
+        assert!(h.m().wait_released(a, WAIT));
+    }
+    assert_eq!(
+        h.calls_since(5),
+        ok_calls(&[(NU, "v"), (NU, "v"), (NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    assert_eq!(
+        h.lifecycle_calls()[8]["staging_target_path"],
+        path_str(&staging)
+    );
+    assert_all_released(&h);
+}
+
+/// State written by an earlier release staged at `<volume>/<usage>`: such a
+/// volume is restored and unstaged at its recorded path, and a new user of
+/// it shares that path instead of staging it a second time.
+fn a_recorded_staging_path_of_the_old_layout_is_kept_and_shared() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
+    let usage = "rw-file-system-multi-node-multi-writer";
+    let legacy = h.staging("v").join(usage);
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("a1");
+    // As an earlier release would have recorded it, after a reboot.
+    h.stop();
+    detach_all_under(&h.mount_root);
+    remove_empty_dirs(&h.mount_root.join("staging"));
+    h.edit_state(|s| {
+        let v = s.volume_mut("a1", "data").expect("record");
+        v.staging_path = Some(legacy.clone());
+    });
+    h.start_again("boot-2");
+    let report = h.m().restore();
+    assert!(report.errors.is_empty(), "{report:?}");
+    // A read-only user: its own usage, the same one staging path.
+    h.m()
+        .mount("a2", &[request("data", "v", true)])
+        .expect("a2");
+    let calls = h.lifecycle_calls();
+    let staged: Vec<&Value> = calls.iter().filter(|c| c["method"] == NS).collect();
+    assert_eq!(
+        staged.len(),
+        2,
+        "one NodeStage before and one after the reboot"
+    );
+    assert_eq!(staged[1]["staging_target_path"], path_str(&legacy));
+    let published: Vec<&Value> = calls.iter().filter(|c| c["method"] == NP).collect();
+    assert_eq!(published.len(), 3);
+    for np in &published[1..] {
+        assert_eq!(np["staging_target_path"], path_str(&legacy), "{np}");
+    }
+    assert!(is_mount_point(&legacy));
+    assert!(!is_mount_point(&h.staging("v")));
+    let skip = calls.len();
+    for a in ["a1", "a2"] {
+        h.m().release(a).expect("release");
+        assert!(h.m().wait_released(a, WAIT));
+    }
+    assert_eq!(
+        h.calls_since(skip),
+        ok_calls(&[(NU, "v"), (NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    let nus = &h.lifecycle_calls()[skip + 2];
+    assert_eq!(nus["staging_target_path"], path_str(&legacy));
+    assert_all_released(&h);
+}
+
+/// Each step of a release starts its own backoff: after NodeUnpublish
+/// failed three times (waits growing to the cap), NodeUnstage's first
+/// retry waits the initial delay again.
+fn each_release_step_starts_its_own_backoff() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    h.plugin.faults().set(json!([
+        {"method": NU, "action": "fail", "code": "UNAVAILABLE", "count": 3},
+        {"method": NUS, "action": "fail", "code": "UNAVAILABLE", "count": 1}
+    ]));
+    h.m().release("a1").expect("release");
+    assert!(h.m().wait_released("a1", WAIT));
+    let calls: Vec<Value> = h.lifecycle_calls().into_iter().skip(3).collect();
+    let methods: Vec<(String, String)> = calls
+        .iter()
+        .map(|c| {
+            let (m, _, code) = summary(c);
+            (m, code)
+        })
+        .collect();
+    let u = "UNAVAILABLE".to_string();
+    let ok = "OK".to_string();
+    assert_eq!(
+        methods,
+        vec![
+            (NU.to_string(), u.clone()),
+            (NU.to_string(), u.clone()),
+            (NU.to_string(), u.clone()),
+            (NU.to_string(), ok.clone()),
+            (NUS.to_string(), u),
+            (NUS.to_string(), ok.clone()),
+            (CU.to_string(), ok),
+        ]
+    );
+    let ts = |i: usize| calls[i]["ts_ms"].as_u64().expect("ts_ms");
+    // The harness backs off from 50 ms doubling to a 200 ms cap (±25 %
+    // jitter): the third NodeUnpublish retry waited 150-250 ms. NodeUnstage's
+    // first retry must wait the initial 37-63 ms again (plus the call and a
+    // state write), never the 150-250 ms a backoff shared with the
+    // previous step would have reached.
+    let last_unpublish_wait = ts(3) - ts(2);
+    let first_unstage_wait = ts(5) - ts(4);
+    assert!(
+        last_unpublish_wait >= 150,
+        "the third NodeUnpublish retry waited {last_unpublish_wait} ms"
+    );
+    assert!(
+        first_unstage_wait < 140,
+        "NodeUnstage's first retry waited {first_unstage_wait} ms"
+    );
+    assert_all_released(&h);
+}
+
+/// A node plugin's `max_volumes_per_node` reached on this node fails a
+/// mount of another volume at once, naming the limit; nothing is sent,
+/// claimed or recorded for it. A volume already in use still mounts.
+fn the_node_plugins_volume_limit_fails_a_mount_at_once() {
+    let h = Harness::with_plugin(|b| b.max_volumes_per_node(1));
+    h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
+    h.register(spec("w", &[AccessMode::SingleNodeWriter]));
+    h.wait_plugin_ready();
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("a1");
+    let before = h.state_on_disk();
+    let calls = h.lifecycle_calls().len();
+    let started = std::time::Instant::now();
+    let err = h
+        .m()
+        .mount("a2", &[request("other", "w", false)])
+        .expect_err("over the limit");
+    assert!(
+        started.elapsed() < WAIT,
+        "refused at once, not after retries"
+    );
+    match &err {
+        MountError::VolumeLimit { max, in_use, .. } => {
+            assert_eq!(*max, 1);
+            assert_eq!(in_use, &vec!["v".to_string()]);
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert!(
+        claimd::error_chain(&err).contains("at most 1 volume(s) per node"),
+        "{err}"
+    );
+    assert_eq!(h.lifecycle_calls().len(), calls);
+    assert_eq!(h.state_on_disk(), before);
+    // The volume in use shares its attachment: not a new one.
+    h.m()
+        .mount("a3", &[request("data", "v", false)])
+        .expect("a3");
+    for a in ["a1", "a3"] {
+        h.m().release(a).expect("release");
+        assert!(h.m().wait_released(a, WAIT));
+    }
+    assert_all_released(&h);
+}
+
+/// A mount whose retries find the node plugin gone waits for it to be
+/// ready again (saying so in its status) and finishes through the new
+/// instance, instead of calling a dead socket.
+fn mount_retries_wait_for_the_plugin_to_come_back() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.wait_plugin_ready();
+    h.plugin.faults().set(json!([
+        {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
+    ]));
+    let m = h.m().clone();
+    let mounting = thread::spawn(move || m.mount("a1", &[request("data", "v", false)]));
+    wait_until(WAIT, "NodePublish to fail once", || {
+        h.lifecycle_calls().iter().any(|c| c["method"] == NP)
+    });
+    h.plugin.kill();
+    wait_until(WAIT, "the mount to wait for the plugin", || {
+        h.m().alloc_status("a1").is_some_and(|s| {
+            s.volumes[0]
+                .message
+                .contains("waiting for node plugin testplug to be ready again")
+        })
+    });
+    h.plugin.faults().set(json!([]));
+    h.replace_plugin(|b| b);
+    let mounted = mounting
+        .join()
+        .expect("the mount thread")
+        .expect("mounted through the new plugin");
+    assert!(is_mount_point(&mounted[0].host_path));
+    let last = h.lifecycle_calls().pop().expect("a call");
+    assert_eq!(
+        summary(&last),
+        (NP.to_string(), external_id("v"), "OK".to_string())
+    );
+    h.m().release("a1").expect("release");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_all_released(&h);
+}
+
 // ---- The remote-like store's own path --------------------------------------
 
 /// The claims of the local state file alone (no remote claims merged in).
@@ -1631,6 +1899,11 @@ macro_rules! both_stores {
 }
 
 both_stores!(
+    one_staging_path_per_volume_read_only_at_publish,
+    a_recorded_staging_path_of_the_old_layout_is_kept_and_shared,
+    each_release_step_starts_its_own_backoff,
+    the_node_plugins_volume_limit_fails_a_mount_at_once,
+    mount_retries_wait_for_the_plugin_to_come_back,
     mount_then_release_sends_the_exact_calls_and_leaves_nothing,
     read_only_request_gives_a_read_only_mount,
     final_claim_error_mounts_nothing_and_claims_nothing,

@@ -149,6 +149,20 @@ impl CsiError {
         self.class() == ErrorClass::Retryable
     }
 
+    /// Whether the call may still have its effect: it hit its deadline, or
+    /// the transport failed after it may have been sent. The plugin may be
+    /// doing it and finish later (kubelet's "uncertain" state).
+    pub fn is_uncertain(&self) -> bool {
+        match self {
+            CsiError::Status { code, .. } => matches!(
+                *code,
+                RpcStatusCode::DEADLINE_EXCEEDED | RpcStatusCode::CANCELLED
+            ),
+            CsiError::Transport { .. } => true,
+            CsiError::BadReply { .. } | CsiError::MissingField { .. } => false,
+        }
+    }
+
     /// A short result code for logs and call records: `OK`-style names.
     pub fn code_name(&self) -> String {
         match self {

@@ -52,6 +52,10 @@ pub struct LifecycleOptions {
     pub restore_wait: Duration,
     /// Longest wait for a volume's operation lock.
     pub lock_wait: Duration,
+    /// After a call timed out, how long the plugin is given to finish it
+    /// before the volume is detached or its claim freed (the CSI call
+    /// deadline: the plugin got the same one).
+    pub uncertain_settle: Duration,
 }
 
 impl LifecycleOptions {
@@ -68,6 +72,7 @@ impl LifecycleOptions {
             restore_wait: crate::config::DEFAULT_PLUGIN_WAIT_TIMEOUT
                 + crate::config::DEFAULT_CSI_CALL_TIMEOUT,
             lock_wait: OPERATION_LOCK_WAIT,
+            uncertain_settle: crate::config::DEFAULT_CSI_CALL_TIMEOUT,
         }
     }
 }

@@ -40,6 +40,8 @@ pub enum StepError {
     UnknownVolume {
         volume_id: String,
     },
+    /// The agent is stopping.
+    Stopping,
 }
 
 impl StepError {
@@ -53,7 +55,8 @@ impl StepError {
             | StepError::Lock(_)
             | StepError::StillMounted(_)
             | StepError::CreateDir { .. }
-            | StepError::NoController { .. } => true,
+            | StepError::NoController { .. }
+            | StepError::Stopping => true,
             StepError::Gone { .. } | StepError::UnknownVolume { .. } => false,
         }
     }
@@ -78,6 +81,7 @@ impl fmt::Display for StepError {
             StepError::UnknownVolume { volume_id } => {
                 write!(f, "volume {volume_id} is not registered")
             }
+            StepError::Stopping => f.write_str("the agent is stopping"),
         }
     }
 }
@@ -94,7 +98,8 @@ impl std::error::Error for StepError {
             StepError::CreateDir { source, .. } => Some(source),
             StepError::NoController { .. }
             | StepError::Gone { .. }
-            | StepError::UnknownVolume { .. } => None,
+            | StepError::UnknownVolume { .. }
+            | StepError::Stopping => None,
         }
     }
 }
@@ -154,6 +159,21 @@ pub enum MountError {
         alias: String,
         source: CsiError,
     },
+    /// Another allocation on this node uses the volume in a way this one
+    /// cannot share (block device vs file system).
+    Incompatible {
+        alias: String,
+        volume_id: String,
+        holder: String,
+        why: String,
+    },
+    /// The node plugin's `max_volumes_per_node` is reached on this node.
+    VolumeLimit {
+        alias: String,
+        plugin_id: String,
+        max: i64,
+        in_use: Vec<String>,
+    },
     /// The mount retry deadline passed while a step kept failing with a
     /// retryable error.
     Timeout {
@@ -201,6 +221,23 @@ impl fmt::Display for MountError {
             MountError::Plugin { alias, .. } => write!(f, "volume {alias} could not be mounted"),
             MountError::Claim { alias, .. } => write!(f, "volume {alias} could not be claimed"),
             MountError::Csi { alias, .. } => write!(f, "volume {alias} could not be mounted"),
+            MountError::Incompatible {
+                alias,
+                volume_id,
+                why,
+                ..
+            } => write!(f, "volume {alias} ({volume_id}) cannot be mounted: {why}"),
+            MountError::VolumeLimit {
+                alias,
+                plugin_id,
+                max,
+                in_use,
+            } => write!(
+                f,
+                "volume {alias} cannot be mounted: node plugin {plugin_id} allows at most {max} volume(s) per node, and this node uses {} already ({})",
+                in_use.len(),
+                in_use.join(", ")
+            ),
             MountError::Timeout { alias, .. } => write!(
                 f,
                 "volume {alias} could not be mounted before the mount retry deadline"

@@ -9,7 +9,7 @@
 //! 3. on a failure, roll back what was done (a release of the allocation).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,9 +19,9 @@ use super::progress::NotNow;
 use super::release;
 use crate::claims::{Applied, ClaimChange};
 use crate::failpoints;
-use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::plugins::{PluginKind, PluginSnapshot, WaitError};
 use crate::retry::{Backoff, Interrupted};
-use crate::state::{AllocRecord, AllocVolume, Phase};
+use crate::state::{AllocRecord, AllocVolume, Phase, StateFile};
 use crate::volumes::{requests, validate_requests, AttachmentMode, Paths, Usage, VolumeRequest};
 use crate::volumes::{OperationLock, VolumeSpec};
 
@@ -114,7 +114,99 @@ fn record_intent(
     reqs: &[VolumeRequest],
 ) -> Result<Option<MountError>, MountError> {
     // The plan, computed once: the records this mount wants.
-    let wanted = core.store.read(|s| -> Result<_, MountError> {
+    let wanted = core
+        .store
+        .read(|s| wanted_records(core, s, alloc_id, reqs))?;
+    let Some(mut wanted) = wanted else {
+        return Ok(None);
+    };
+    let plans = ready_plans(core, wanted.values().map(|v| v.plugin_id.as_str()));
+    let claimed: Vec<String> = wanted
+        .values()
+        .filter(|v| plans.contains_key(&v.plugin_id))
+        .map(|v| v.alias.clone())
+        .collect();
+    // The node plugin's volume limit, counting the volumes this mount
+    // attaches before each one.
+    core.store.read(|s| -> Result<(), MountError> {
+        let mut mine = BTreeSet::new();
+        for alias in &claimed {
+            let v = &wanted[alias];
+            check_volume_limit(s, &plans[&v.plugin_id], v, &mine)?;
+            mine.insert(v.volume_id.clone());
+        }
+        Ok(())
+    })?;
+    let changes = claimed
+        .iter()
+        .map(|alias| ClaimChange::Take(core.claim_request(alloc_id, &wanted[alias])))
+        .collect();
+    let paths = &core.paths;
+    let applied = core.transact(
+        changes,
+        // Nothing recorded for this allocation, and nothing incompatible
+        // recorded meanwhile for its volumes.
+        &|s| matches!(wanted_records(core, s, alloc_id, reqs), Ok(Some(_))),
+        &mut |s, outcomes| {
+            let mut volumes = std::mem::take(&mut wanted);
+            for (alias, outcome) in claimed.iter().zip(outcomes) {
+                if let (Ok(()), Some(v)) = (outcome, volumes.get_mut(alias)) {
+                    let staged = s.staging_path_of(&v.volume_id, (alloc_id, alias));
+                    plans[&v.plugin_id].enter(v, paths, staged);
+                }
+            }
+            s.allocs.insert(
+                alloc_id.to_string(),
+                Arc::new(AllocRecord {
+                    id: alloc_id.to_string(),
+                    releasing: false,
+                    volumes: volumes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect(),
+                }),
+            );
+        },
+    )?;
+    let Applied::Done(outcomes) = applied else {
+        // The state changed between the read and the write: say why.
+        return core
+            .store
+            .read(|s| wanted_records(core, s, alloc_id, reqs))
+            .map(|_| None);
+    };
+    // Reports of an earlier release under the same ID are stale now.
+    core.progress.forget_releases(alloc_id);
+    failpoints::hit("mount-after-record");
+    if outcomes.iter().any(Result::is_ok) {
+        // The claim and the first phase are durable already.
+        failpoints::hit("mount-after-claim");
+        failpoints::hit("mount-after-first-phase");
+    }
+    log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
+    // A claim that can never be granted fails the mount now; one held by
+    // another allocation is waited for in `take_claim`.
+    for (alias, outcome) in claimed.iter().zip(outcomes) {
+        if let Err(e) = outcome {
+            if !e.is_retryable() {
+                return Ok(Some(MountError::Claim {
+                    alias: alias.clone(),
+                    source: e,
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The records a mount of `reqs` wants, when nothing is recorded for the
+/// allocation yet; None when it is recorded with the same volumes already.
+/// Refuses a volume that another allocation on this node uses with another
+/// attachment (block device vs file system: one staging cannot serve both).
+fn wanted_records(
+    core: &Core,
+    s: &StateFile,
+    alloc_id: &str,
+    reqs: &[VolumeRequest],
+) -> Result<Option<BTreeMap<String, AllocVolume>>, MountError> {
+    {
         let mut wanted = BTreeMap::new();
         for r in reqs {
             let spec = s
@@ -142,67 +234,56 @@ fn record_intent(
                 why: why.to_string(),
             });
         }
-        Ok(Some(wanted))
-    })?;
-    let Some(mut wanted) = wanted else {
-        return Ok(None);
-    };
-    let plans = ready_plans(core, wanted.values().map(|v| v.plugin_id.as_str()));
-    let claimed: Vec<String> = wanted
-        .values()
-        .filter(|v| plans.contains_key(&v.plugin_id))
-        .map(|v| v.alias.clone())
-        .collect();
-    let changes = claimed
-        .iter()
-        .map(|alias| ClaimChange::Take(core.claim_request(alloc_id, &wanted[alias])))
-        .collect();
-    let paths = &core.paths;
-    let applied = core.transact(
-        changes,
-        &|s| !s.allocs.contains_key(alloc_id),
-        &mut |s, outcomes| {
-            let mut volumes = std::mem::take(&mut wanted);
-            for (alias, outcome) in claimed.iter().zip(outcomes) {
-                if let (Ok(()), Some(v)) = (outcome, volumes.get_mut(alias)) {
-                    plans[&v.plugin_id].enter(v, paths);
-                }
-            }
-            s.allocs.insert(
-                alloc_id.to_string(),
-                Arc::new(AllocRecord {
-                    id: alloc_id.to_string(),
-                    releasing: false,
-                    volumes: volumes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect(),
-                }),
-            );
-        },
-    )?;
-    let Applied::Done(outcomes) = applied else {
-        return Ok(None);
-    };
-    // Reports of an earlier release under the same ID are stale now.
-    core.progress.forget_releases(alloc_id);
-    failpoints::hit("mount-after-record");
-    if outcomes.iter().any(Result::is_ok) {
-        // The claim and the first phase are durable already.
-        failpoints::hit("mount-after-claim");
-        failpoints::hit("mount-after-first-phase");
-    }
-    log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
-    // A claim that can never be granted fails the mount now; one held by
-    // another allocation is waited for in `take_claim`.
-    for (alias, outcome) in claimed.iter().zip(outcomes) {
-        if let Err(e) = outcome {
-            if !e.is_retryable() {
-                return Ok(Some(MountError::Claim {
-                    alias: alias.clone(),
-                    source: e,
-                }));
+        for w in wanted.values() {
+            let other = s.alloc_volumes().find(|(a, o)| {
+                a.id != alloc_id
+                    && o.volume_id == w.volume_id
+                    && o.usage.attachment != w.usage.attachment
+            });
+            if let Some((a, o)) = other {
+                return Err(MountError::Incompatible {
+                    alias: w.alias.clone(),
+                    volume_id: w.volume_id.clone(),
+                    holder: a.id.clone(),
+                    why: format!(
+                        "it is used on this node as {} by allocation {}; {} cannot share its staging",
+                        o.usage.attachment, a.id, w.usage.attachment
+                    ),
+                });
             }
         }
+        Ok(Some(wanted))
     }
-    Ok(None)
+}
+
+/// The node plugin's `max_volumes_per_node`: a volume not in use on this
+/// node yet is refused at once when the plugin's limit is reached (retrying
+/// RESOURCE_EXHAUSTED cannot help). `mine`: volumes the same mount takes
+/// before this one.
+fn check_volume_limit(
+    s: &StateFile,
+    plan: &Plan,
+    v: &AllocVolume,
+    mine: &BTreeSet<String>,
+) -> Result<(), MountError> {
+    if plan.max_volumes <= 0 {
+        return Ok(());
+    }
+    let mut used: BTreeSet<&str> = s
+        .alloc_volumes()
+        .filter(|(_, o)| o.plugin_id == v.plugin_id && o.phase != Phase::Claiming)
+        .map(|(_, o)| o.volume_id.as_str())
+        .collect();
+    used.extend(mine.iter().map(String::as_str));
+    if used.contains(v.volume_id.as_str()) || (used.len() as i64) < plan.max_volumes {
+        return Ok(());
+    }
+    Err(MountError::VolumeLimit {
+        alias: v.alias.clone(),
+        plugin_id: v.plugin_id.clone(),
+        max: plan.max_volumes,
+        in_use: used.into_iter().map(str::to_string).collect(),
+    })
 }
 
 fn same_volumes(existing: &AllocRecord, wanted: &BTreeMap<String, AllocVolume>) -> bool {
@@ -302,34 +383,70 @@ fn mount_volume_steps(
     // The claim, retrying while another allocation holds it.
     if rec.phase == Phase::Claiming {
         let plan = Plan::new(&node, controller.is_some());
+        core.store
+            .read(|s| check_volume_limit(s, &plan, &rec, &BTreeSet::new()))?;
         take_claim(core, alloc_id, &rec, &plan)?;
     }
     // Controller publish, stage, publish.
+    let (mut node, mut controller) = (node, controller);
     let mut backoff = Backoff::new(core.opts.csi_backoff, deadline);
     loop {
         if core.shutdown.is_triggered() {
             return Err(MountError::Shutdown);
         }
         match mount_step(core, alloc_id, alias, &node, controller.as_ref()) {
-            Ok(Step::Next) => {
-                // A step went through: no retry message is current.
+            Ok(step) => {
+                // A call answered: no retry message is current, no earlier
+                // timed-out call is in doubt, and the next step starts its
+                // own backoff.
                 say(None);
+                core.progress.clear_uncertain(alloc_id, alias);
+                if step == Step::Done {
+                    return Ok(());
+                }
+                backoff.reset();
             }
-            Ok(Step::Done) => return Ok(()),
             Err(e) if !e.is_retryable() => return Err(MountError::from_step(alloc_id, alias, e)),
             Err(e) => {
+                if matches!(&e, StepError::Csi(c) if c.is_uncertain()) {
+                    // The plugin may still carry the call out: a rollback
+                    // must make sure nothing of it is left (see release).
+                    core.progress
+                        .mark_uncertain(alloc_id, alias, Instant::now());
+                }
                 let msg = crate::error_chain(&e);
                 log::warn!("mount of {alloc_id}/{alias}: {msg} (retrying)");
                 say(Some(format!("{msg} (retrying)")));
+                let timeout = |e: StepError| MountError::Timeout {
+                    alias: alias.to_string(),
+                    last_error: Box::new(e),
+                };
                 match backoff.wait(&core.shutdown) {
                     Ok(()) => {}
                     Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
-                    Err(Interrupted::Deadline) => {
-                        return Err(MountError::Timeout {
-                            alias: alias.to_string(),
-                            last_error: Box::new(e),
-                        })
+                    Err(Interrupted::Deadline) => return Err(timeout(e)),
+                }
+                // A retry goes to a plugin that is ready (waiting for it,
+                // within the deadline, when it is not), never to a dead
+                // socket, and through its current connection.
+                let ready = |kind| {
+                    if core.registry.get_ready(&rec.plugin_id, kind).is_none() {
+                        say(Some(format!(
+                            "waiting for {kind} plugin {} to be ready again (last error: {msg})",
+                            rec.plugin_id
+                        )));
                     }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    core.registry
+                        .wait_for_plugin(&rec.plugin_id, kind, left)
+                        .map_err(|w| match w {
+                            WaitError::Shutdown { .. } => MountError::Shutdown,
+                            w => timeout(StepError::Plugin(w)),
+                        })
+                };
+                node = ready(PluginKind::Node)?;
+                if controller.is_some() {
+                    controller = Some(ready(PluginKind::Controller)?);
                 }
             }
         }
@@ -436,8 +553,9 @@ fn take_claim(
                 },
                 &mut |s, out| {
                     if out.iter().all(Result::is_ok) {
+                        let staged = s.staging_path_of(&rec.volume_id, (alloc_id, alias));
                         if let Some(v) = s.volume_mut(alloc_id, alias) {
-                            plan.enter(v, paths);
+                            plan.enter(v, paths, staged);
                         }
                     }
                 },
@@ -594,6 +712,8 @@ fn rollback(core: &Arc<Core>, alloc_id: &str) {
 struct Plan {
     stage: bool,
     controller: bool,
+    /// The node plugin's `max_volumes_per_node` (0: no limit).
+    max_volumes: i64,
     /// The node plugin's node ID: the external node ID of the attachment.
     node_id: String,
 }
@@ -606,19 +726,25 @@ impl Plan {
                 .as_ref()
                 .is_some_and(|c| c.stage_unstage_volume),
             controller,
+            max_volumes: node
+                .node_info
+                .as_ref()
+                .map_or(0, |n| n.max_volumes_per_node),
             node_id: node.node_id().unwrap_or_default().to_string(),
         }
     }
 
     /// Moves a record from `claiming` to its first in-flight phase, setting
-    /// the holds-flags before the call they stand for is sent.
-    fn enter(&self, v: &mut AllocVolume, paths: &Paths) {
+    /// the holds-flags before the call they stand for is sent. A volume
+    /// already staged on this node (`staged`, possibly at a path of an
+    /// earlier release's layout) keeps its one staging path.
+    fn enter(&self, v: &mut AllocVolume, paths: &Paths, staged: Option<PathBuf>) {
         if v.phase != Phase::Claiming {
             return;
         }
         v.staging_path = self
             .stage
-            .then(|| paths.staging(&v.plugin_id, &v.volume_id, &v.usage));
+            .then(|| staged.unwrap_or_else(|| paths.staging(&v.plugin_id, &v.volume_id)));
         if self.controller {
             v.external_node_id = Some(self.node_id.clone());
             v.holds_attachment = true;

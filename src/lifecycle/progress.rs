@@ -53,6 +53,12 @@ struct Inner {
     /// Releases that completed, oldest first: their reports are kept for
     /// `alloc status` until MAX_RELEASE_REPORTS newer ones push them out.
     finished: VecDeque<Key>,
+    /// (alloc, alias) -> (volume ID, plugin ID) of a release report, so a
+    /// report outliving its record still names what it released.
+    released_volumes: HashMap<Key, (String, String)>,
+    /// (alloc, alias) -> when a call of that volume timed out (it may still
+    /// be carried out by the plugin).
+    uncertain: HashMap<Key, Instant>,
 }
 
 /// Why a mount cannot start now.
@@ -96,7 +102,9 @@ impl Progress {
 
     /// Forgets the release reports of an earlier allocation of this ID.
     pub fn forget_releases(&self, alloc_id: &str) {
-        self.inner.lock().releases.retain(|(a, _), _| a != alloc_id);
+        let mut p = self.inner.lock();
+        p.releases.retain(|(a, _), _| a != alloc_id);
+        p.released_volumes.retain(|(a, _), _| a != alloc_id);
     }
 
     pub fn set_message(&self, alloc_id: &str, alias: &str, msg: Option<String>) {
@@ -117,14 +125,44 @@ impl Progress {
     }
 
     /// Marks a release worker as running; false when one runs already.
-    pub fn begin_release(&self, alloc_id: &str, alias: &str) -> bool {
+    pub fn begin_release(&self, alloc_id: &str, alias: &str, volume: (&str, &str)) -> bool {
         let mut p = self.inner.lock();
         let k = key(alloc_id, alias);
         if !p.active.insert(k.clone()) {
             return false;
         }
-        p.releases.insert(k, ReleaseState::InProgress);
+        p.releases.insert(k.clone(), ReleaseState::InProgress);
+        p.released_volumes
+            .insert(k, (volume.0.to_string(), volume.1.to_string()));
         true
+    }
+
+    /// (volume ID, plugin ID) of the latest release of a volume.
+    pub fn released_volume(&self, alloc_id: &str, alias: &str) -> Option<(String, String)> {
+        self.inner
+            .lock()
+            .released_volumes
+            .get(&key(alloc_id, alias))
+            .cloned()
+    }
+
+    /// A call of the volume timed out at `at`: the plugin may still carry
+    /// it out.
+    pub fn mark_uncertain(&self, alloc_id: &str, alias: &str, at: Instant) {
+        self.inner.lock().uncertain.insert(key(alloc_id, alias), at);
+    }
+
+    /// When the latest uncertain call of the volume timed out, if any.
+    pub fn uncertain_since(&self, alloc_id: &str, alias: &str) -> Option<Instant> {
+        self.inner
+            .lock()
+            .uncertain
+            .get(&key(alloc_id, alias))
+            .copied()
+    }
+
+    pub fn clear_uncertain(&self, alloc_id: &str, alias: &str) {
+        self.inner.lock().uncertain.remove(&key(alloc_id, alias));
     }
 
     pub fn set_release(&self, alloc_id: &str, alias: &str, st: ReleaseState) {
@@ -146,6 +184,7 @@ impl Progress {
                         && p.releases.get(&old) == Some(&ReleaseState::Released)
                     {
                         p.releases.remove(&old);
+                        p.released_volumes.remove(&old);
                     }
                 }
             }
@@ -199,13 +238,20 @@ mod tests {
         p.begin_mount("a").expect("first");
         assert_eq!(p.begin_mount("a"), Err(NotNow::Mounting));
         p.end_mount("a");
-        assert!(p.begin_release("a", "d"));
-        assert!(!p.begin_release("a", "d"), "one worker per volume");
+        assert!(p.begin_release("a", "d", ("v", "p")));
+        assert!(
+            !p.begin_release("a", "d", ("v", "p")),
+            "one worker per volume"
+        );
         assert_eq!(p.begin_mount("a"), Err(NotNow::Releasing));
         assert!(!p.wait_released("a", Duration::from_millis(10), || false));
         p.end_release("a", "d", ReleaseState::Released);
         assert!(p.wait_released("a", Duration::from_millis(10), || false));
         assert_eq!(p.releases("a")["d"], ReleaseState::Released);
+        assert_eq!(
+            p.released_volume("a", "d"),
+            Some(("v".to_string(), "p".to_string()))
+        );
         p.forget_releases("a");
         assert!(p.releases("a").is_empty());
     }
@@ -215,7 +261,7 @@ mod tests {
         let p = Progress::default();
         for i in 0..MAX_RELEASE_REPORTS + 5 {
             let a = format!("a{i}");
-            assert!(p.begin_release(&a, "d"));
+            assert!(p.begin_release(&a, "d", ("v", "p")));
             p.end_release(&a, "d", ReleaseState::Released);
         }
         assert!(p.releases("a0").is_empty());

@@ -101,11 +101,15 @@ pub fn release(core: &Arc<Core>, alloc_id: &str) -> Result<ReleaseStart, Release
 }
 
 fn spawn_worker(core: &Arc<Core>, alloc_id: &str, alias: &str) -> Result<(), ReleaseError> {
-    let Some(volume) = core.record(alloc_id, alias).map(|v| v.volume_id) else {
+    let Some(rec) = core.record(alloc_id, alias) else {
         // Released meanwhile by a worker that was already running.
         return Ok(());
     };
-    if !core.progress.begin_release(alloc_id, alias) {
+    let volume = rec.volume_id;
+    if !core
+        .progress
+        .begin_release(alloc_id, alias, (&volume, &rec.plugin_id))
+    {
         return Ok(());
     }
     let c = core.clone();
@@ -140,7 +144,10 @@ fn worker(core: &Core, alloc_id: &str, alias: &str) {
             };
         }
         match step(core, alloc_id, alias, deadline) {
-            Ok(Step::Next) => continue,
+            Ok(Step::Next) => {
+                // Each step starts its own backoff.
+                backoff.reset();
+            }
             Ok(Step::Done) => break ReleaseState::Released,
             Err(e) => {
                 let msg = crate::error_chain(&e);
@@ -295,6 +302,9 @@ fn controller_unpublish(
     rec: &AllocVolume,
     deadline: Instant,
 ) -> StepResult {
+    if let Some(back) = settle(core, alloc_id, alias, rec)? {
+        return Ok(back);
+    }
     let others = core
         .store
         .read(|s| s.attachment_users(&rec.volume_id, (alloc_id, alias)).len());
@@ -319,6 +329,9 @@ fn controller_unpublish(
 /// and the detach are done, so the retry only frees the claim (a release
 /// with the cluster store cut off waits in this phase).
 fn finish(core: &Core, alloc_id: &str, alias: &str, rec: &AllocVolume) -> StepResult {
+    if let Some(back) = settle(core, alloc_id, alias, rec)? {
+        return Ok(back);
+    }
     match core.free_and_drop(alloc_id, alias, &rec.volume_id) {
         Err(e @ StepError::Claim(_)) => {
             core.advance(alloc_id, alias, |v| {
@@ -330,6 +343,70 @@ fn finish(core: &Core, alloc_id: &str, alias: &str, rec: &AllocVolume) -> StepRe
         }
         other => other,
     }
+}
+
+/// Before the detach and the freeing of the claim: when a call of this
+/// volume timed out (the plugin may still be carrying it out), wait until
+/// it had time to finish, then make sure none of the volume's paths became
+/// a mount point meanwhile. One that did sends the record back to the
+/// teardown step that undoes it (Some(Next)); None: go on.
+fn settle(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    rec: &AllocVolume,
+) -> Result<Option<Step>, StepError> {
+    let Some(since) = core.progress.uncertain_since(alloc_id, alias) else {
+        return Ok(None);
+    };
+    let until = since + core.opts.uncertain_settle;
+    let now = Instant::now();
+    if now < until {
+        log::info!(
+            "release of {alloc_id}/{alias}: a call timed out {:?} ago; waiting {:?} for the plugin to finish it before the volume is detached or its claim freed",
+            now - since,
+            until - now
+        );
+        // Under the volume's operation lock: no other operation of this
+        // volume starts meanwhile.
+        if !core.shutdown.sleep(until - now) {
+            return Err(StepError::Stopping);
+        }
+    }
+    let mounted = |p: &std::path::Path| {
+        crate::mounts::is_mount_point(p).map_err(|source| {
+            StepError::StillMounted(crate::volumes::mounted::StillMounted::Unknown {
+                path: p.to_path_buf(),
+                source,
+            })
+        })
+    };
+    if mounted(&rec.target_path)? {
+        log::warn!(
+            "release of {alloc_id}/{alias}: {} became a mount point after a timed-out call; unpublishing again",
+            rec.target_path.display()
+        );
+        core.advance(alloc_id, alias, |v| v.phase = Phase::Unpublishing)?;
+        return Ok(Some(Step::Next));
+    }
+    if let Some(staging) = &rec.staging_path {
+        let others = core
+            .store
+            .read(|s| s.staging_users(staging, (alloc_id, alias)));
+        if others == 0 && mounted(staging)? {
+            log::warn!(
+                "release of {alloc_id}/{alias}: {} became a mount point after a timed-out call; unstaging again",
+                staging.display()
+            );
+            core.advance(alloc_id, alias, |v| {
+                v.holds_staging = true;
+                v.phase = Phase::Unstaging;
+            })?;
+            return Ok(Some(Step::Next));
+        }
+    }
+    core.progress.clear_uncertain(alloc_id, alias);
+    Ok(None)
 }
 
 /// Records the next phase down; a record that has nothing left to undo

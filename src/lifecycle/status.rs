@@ -32,12 +32,16 @@ pub struct AllocStatus {
 }
 
 /// A volume whose release finished has no record any more: only its
-/// in-memory release report is left.
-fn released(alias: String, st: ReleaseState) -> VolumeStatus {
+/// in-memory release report is left, with the volume it released.
+fn released(core: &Core, alloc_id: &str, alias: String, st: ReleaseState) -> VolumeStatus {
+    let (volume_id, plugin_id) = core
+        .progress
+        .released_volume(alloc_id, &alias)
+        .unwrap_or_default();
     VolumeStatus {
         alias,
-        volume_id: String::new(),
-        plugin_id: String::new(),
+        volume_id,
+        plugin_id,
         phase: None,
         host_path: PathBuf::new(),
         read_only: false,
@@ -67,7 +71,11 @@ pub fn alloc_status(core: &Core, alloc_id: &str) -> Option<AllocStatus> {
                     message: core.progress.message(alloc_id, &v.alias),
                 })
                 .collect();
-            volumes.extend(releases.into_iter().map(|(al, st)| released(al, st)));
+            volumes.extend(
+                releases
+                    .into_iter()
+                    .map(|(al, st)| released(core, alloc_id, al, st)),
+            );
             volumes.sort_by(|x, y| x.alias.cmp(&y.alias));
             Some(AllocStatus {
                 id: a.id.clone(),
@@ -80,7 +88,7 @@ pub fn alloc_status(core: &Core, alloc_id: &str) -> Option<AllocStatus> {
             releasing: true,
             volumes: releases
                 .into_iter()
-                .map(|(al, st)| released(al, st))
+                .map(|(al, st)| released(core, alloc_id, al, st))
                 .collect(),
         }),
         None => None,

@@ -5,7 +5,7 @@
 //! for) until the write that clears it (after the teardown call).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::model::{AllocVolume, Phase, StateFile};
 
@@ -46,6 +46,16 @@ impl StateFile {
                 attachment_established(o.phase) && o.external_node_id.as_deref() == external_node_id
             })
             .map(|o| o.publish_context.clone())
+    }
+
+    /// The staging path another record of `volume_id` holds on this node,
+    /// if any: a volume has one staging path per node, and a new user of a
+    /// staged volume shares it.
+    pub fn staging_path_of(&self, volume_id: &str, except: RecordKey<'_>) -> Option<PathBuf> {
+        self.alloc_volumes()
+            .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
+            .find(|(_, v)| v.volume_id == volume_id && v.holds_staging)
+            .and_then(|(_, v)| v.staging_path.clone())
     }
 
     /// Whether another record already staged `path` (its NodeStage

@@ -17,13 +17,17 @@ impl Paths {
         }
     }
 
-    /// `<root>/staging/<plugin>/<volume>/<usage>`
-    pub fn staging(&self, plugin_id: &str, volume_id: &str, usage: &Usage) -> PathBuf {
+    /// `<root>/staging/<plugin>/<volume>`: one staging path per volume on
+    /// a node, whatever the allocations using it ask for (the CSI spec: "The
+    /// CO SHALL ensure that there is only one staging_target_path per
+    /// volume"); read-only is asked at NodePublish. Releases before 0.2 put
+    /// the usage below it (`…/<volume>/<usage>`); such records keep their
+    /// recorded path, and new users of the volume share it.
+    pub fn staging(&self, plugin_id: &str, volume_id: &str) -> PathBuf {
         self.mount_root
             .join("staging")
             .join(plugin_id)
             .join(volume_id)
-            .join(usage.dir_name())
     }
 
     /// `<root>/per-alloc/<alloc>/<volume>/<usage>`

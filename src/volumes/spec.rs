@@ -414,10 +414,7 @@ mod tests {
         };
         assert_eq!(u.dir_name(), "rw-file-system-single-node-writer");
         let p = Paths::new(Path::new("/m"));
-        assert_eq!(
-            p.staging("hp", "db", &u),
-            PathBuf::from("/m/staging/hp/db/rw-file-system-single-node-writer")
-        );
+        assert_eq!(p.staging("hp", "db"), PathBuf::from("/m/staging/hp/db"));
         assert_eq!(
             p.target("a1", "db", &u),
             PathBuf::from("/m/per-alloc/a1/db/rw-file-system-single-node-writer")

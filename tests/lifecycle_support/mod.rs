@@ -392,13 +392,9 @@ impl Harness {
             .join(usage_dir)
     }
 
-    /// Where a volume is staged.
-    pub fn staging(&self, volume: &str, usage_dir: &str) -> PathBuf {
-        self.mount_root
-            .join("staging")
-            .join(PLUGIN)
-            .join(volume)
-            .join(usage_dir)
+    /// Where a volume is staged: one path per volume on the node.
+    pub fn staging(&self, volume: &str) -> PathBuf {
+        self.mount_root.join("staging").join(PLUGIN).join(volume)
     }
 
     /// The lifecycle calls (no fingerprint or probe calls) so far.

@@ -36,7 +36,7 @@ impl Bare {
 
     pub fn paths(&self, id: &str) -> (PathBuf, PathBuf) {
         let (p, u) = (self.layout(), Self::usage());
-        (p.staging("hp", id, &u), p.target(id, id, &u))
+        (p.staging("hp", id), p.target(id, id, &u))
     }
 
     pub fn mount(&self, id: &str) {
