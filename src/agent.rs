@@ -103,7 +103,9 @@ impl Agent {
         let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);
         opts.plugin_wait = config.timeouts.plugin_wait;
         opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
+        opts.mount_retry_deadline = config.timeouts.mount_retry_deadline;
         opts.release_retry_deadline = config.timeouts.release_retry_deadline;
+        opts.uncertain_settle = config.timeouts.csi_call;
         opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
         let report = lifecycle.restore();

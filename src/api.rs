@@ -45,6 +45,7 @@ fn mount_status(e: &MountError) -> RpcStatus {
     let code = match e {
         MountError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
         MountError::UnknownVolume { .. } => RpcStatusCode::NOT_FOUND,
+        MountError::UnknownPlugin { .. } => RpcStatusCode::NOT_FOUND,
         MountError::Busy { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::Plugin { .. } => RpcStatusCode::UNAVAILABLE,
         MountError::Claim { source, .. } if source.is_retryable() => {
@@ -191,7 +192,9 @@ pub fn alloc_to_wire(a: &AllocStatus) -> w::AllocStatus {
             x.alias = v.alias.clone();
             x.volume_id = v.volume_id.clone();
             x.plugin_id = v.plugin_id.clone();
-            x.phase = v.phase.map(|p| p.name().to_string()).unwrap_or_default();
+            // A volume whose record is gone was released (only its
+            // release report is left).
+            x.phase = v.phase.map_or("released", |p| p.name()).to_string();
             x.host_path = v.host_path.to_string_lossy().into_owned();
             x.read_only = v.read_only;
             x.attachment_mode = if v.volume_id.is_empty() {
@@ -326,11 +329,17 @@ impl grpc::Claimd for Service {
                     format!("volume {}: {e}", v.id),
                 )
             })?;
-            s.lifecycle
+            let warnings = s
+                .lifecycle
                 .register_volume(spec)
                 .map_err(|e| registry_status(&e))?;
             log::info!("volume {} registered", v.id);
-            Ok(w::RegisterVolumeResponse::new())
+            for warning in &warnings {
+                log::warn!("{warning}");
+            }
+            let mut r = w::RegisterVolumeResponse::new();
+            r.warnings = warnings;
+            Ok(r)
         });
     }
 
@@ -363,7 +372,11 @@ impl grpc::Claimd for Service {
                 .lifecycle
                 .list_volumes()
                 .iter()
-                .map(volume_to_wire)
+                .map(|v| {
+                    let mut w = volume_to_wire(v);
+                    w.plugin_health = s.lifecycle.plugin_health(&v.plugin_id);
+                    w
+                })
                 .collect();
             Ok(r)
         });

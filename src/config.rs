@@ -21,6 +21,9 @@ pub const DEFAULT_PLUGIN_WAIT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a claim held by another allocation is retried.
 pub const DEFAULT_CLAIM_RETRY_DEADLINE: Duration = Duration::from_secs(3600);
+/// How long a mount keeps retrying retryable CSI errors before it fails
+/// (and rolls back).
+pub const DEFAULT_MOUNT_RETRY_DEADLINE: Duration = Duration::from_secs(120);
 /// How long a release keeps retrying a failing volume.
 pub const DEFAULT_RELEASE_RETRY_DEADLINE: Duration = Duration::from_secs(24 * 3600);
 
@@ -63,6 +66,7 @@ pub struct Timeouts {
     pub plugin_wait: Duration,
     pub probe_interval: Duration,
     pub claim_retry_deadline: Duration,
+    pub mount_retry_deadline: Duration,
     pub release_retry_deadline: Duration,
 }
 
@@ -73,6 +77,7 @@ impl Default for Timeouts {
             plugin_wait: DEFAULT_PLUGIN_WAIT_TIMEOUT,
             probe_interval: DEFAULT_PROBE_INTERVAL,
             claim_retry_deadline: DEFAULT_CLAIM_RETRY_DEADLINE,
+            mount_retry_deadline: DEFAULT_MOUNT_RETRY_DEADLINE,
             release_retry_deadline: DEFAULT_RELEASE_RETRY_DEADLINE,
         }
     }
@@ -119,6 +124,7 @@ struct RawConfig {
     plugin_wait_timeout: Option<String>,
     probe_interval: Option<String>,
     claim_retry_deadline: Option<String>,
+    mount_retry_deadline: Option<String>,
     release_retry_deadline: Option<String>,
 }
 
@@ -128,7 +134,8 @@ struct RawPlugin {
     id: String,
     #[serde(rename = "type")]
     plugin_type: PluginType,
-    socket: PathBuf,
+    /// `unix:///abs/path`, `unix:/abs/path` or `/abs/path`.
+    socket: String,
 }
 
 #[derive(Debug)]
@@ -227,7 +234,8 @@ impl Config {
         for (i, p) in raw.plugins.into_iter().enumerate() {
             crate::ids::check_id("plugin", &p.id)
                 .map_err(|e| field_err(&format!("plugins[{i}].id"), e.to_string()))?;
-            check_abs(&p.socket).map_err(|e| field_err(&format!("plugins[{i}].socket"), e))?;
+            let socket = parse_endpoint(&p.socket)
+                .map_err(|e| field_err(&format!("plugins[{i}].socket"), e))?;
             let mut claimed = Vec::new();
             if p.plugin_type.serves_node() {
                 claimed.push("node");
@@ -249,7 +257,7 @@ impl Config {
             plugins.push(PluginConfig {
                 id: p.id,
                 plugin_type: p.plugin_type,
-                socket: p.socket,
+                socket,
             });
         }
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
@@ -279,6 +287,11 @@ impl Config {
                     raw.claim_retry_deadline,
                     DEFAULT_CLAIM_RETRY_DEADLINE,
                 )?,
+                mount_retry_deadline: dur(
+                    "mount_retry_deadline",
+                    raw.mount_retry_deadline,
+                    DEFAULT_MOUNT_RETRY_DEADLINE,
+                )?,
                 release_retry_deadline: dur(
                     "release_retry_deadline",
                     raw.release_retry_deadline,
@@ -287,6 +300,31 @@ impl Config {
             },
         })
     }
+}
+
+/// A plugin endpoint as plugins and CSI tooling write it: `unix:///abs`,
+/// `unix:/abs`, or a plain absolute path. Other schemes are refused by
+/// name (CSI plugins listen on unix sockets).
+pub fn parse_endpoint(s: &str) -> Result<PathBuf, String> {
+    let path = match s.split_once(':') {
+        Some((scheme, rest)) if !s.starts_with('/') => {
+            if scheme != "unix" {
+                return Err(format!(
+                    "{s:?} uses scheme {scheme:?}; plugin endpoints are unix sockets: unix:///path or /path"
+                ));
+            }
+            // unix:///abs (empty authority) or unix:/abs.
+            match rest.strip_prefix("//") {
+                Some(after) if after.starts_with('/') => after,
+                Some(_) => return Err(format!("{s:?} names a host; use unix:///absolute/path")),
+                None => rest,
+            }
+        }
+        _ => s,
+    };
+    let p = PathBuf::from(path);
+    check_abs(&p)?;
+    Ok(p)
 }
 
 fn check_abs(p: &Path) -> Result<(), String> {
@@ -389,6 +427,33 @@ mod tests {
     }
 
     #[test]
+    fn endpoints_are_read_as_plugins_write_them() {
+        for s in [
+            "unix:///run/x/csi.sock",
+            "unix:/run/x/csi.sock",
+            "/run/x/csi.sock",
+        ] {
+            assert_eq!(
+                parse_endpoint(s).expect(s),
+                PathBuf::from("/run/x/csi.sock"),
+                "{s}"
+            );
+        }
+        let c = parse(
+            r#"{"plugins":[{"id":"a","type":"node","socket":"unix:///run/a/csi.sock"}],
+                "mount_retry_deadline":"45s"}"#,
+        )
+        .expect("valid");
+        assert_eq!(c.plugins[0].socket, PathBuf::from("/run/a/csi.sock"));
+        assert_eq!(c.timeouts.mount_retry_deadline, Duration::from_secs(45));
+        let d = parse("{}").expect("defaults");
+        assert_eq!(
+            d.timeouts.mount_retry_deadline,
+            DEFAULT_MOUNT_RETRY_DEADLINE
+        );
+    }
+
+    #[test]
     fn bad_configs_name_the_field() {
         let cases = [
             (r#"{"bogus":1}"#, "bogus"),
@@ -412,6 +477,22 @@ mod tests {
             (r#"{"state_dir":"var/lib"}"#, "state_dir"),
             (r#"{"probe_interval":"soon"}"#, "probe_interval"),
             (r#"{"probe_interval":"0s"}"#, "probe_interval"),
+            (
+                r#"{"mount_retry_deadline":"forever"}"#,
+                "mount_retry_deadline",
+            ),
+            (
+                r#"{"plugins":[{"id":"a","type":"node","socket":"tcp://10.0.0.1:9000"}]}"#,
+                "scheme \"tcp\"",
+            ),
+            (
+                r#"{"plugins":[{"id":"a","type":"node","socket":"unix://host/x.sock"}]}"#,
+                "names a host",
+            ),
+            (
+                r#"{"plugins":[{"id":"a","type":"node","socket":"unix:rel.sock"}]}"#,
+                "not an absolute path",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(text).expect_err(text);

@@ -300,6 +300,45 @@ impl Registry {
         v
     }
 
+    /// Whether plugin `id` is configured, already discovered, or has its
+    /// directory in the plugin directory (its socket may come later). A
+    /// plugin none of these is true of cannot come without a config change.
+    pub fn knows(&self, id: &str) -> bool {
+        if self
+            .inner
+            .state
+            .lock()
+            .entries
+            .iter()
+            .any(|e| e.snapshot.id == id)
+        {
+            return true;
+        }
+        crate::ids::check_id("plugin", id).is_ok()
+            && self
+                .inner
+                .opts
+                .plugin_dir
+                .as_ref()
+                .is_some_and(|d| d.join(id).is_dir())
+    }
+
+    /// One word for the node side of plugin `id`, with the reason when it
+    /// is not ready: what `volume list` shows.
+    pub fn node_health(&self, id: &str) -> String {
+        let st = self.inner.state.lock();
+        if Self::ready_entry(&st, id, PluginKind::Node).is_some() {
+            return Health::Ready.name().to_string();
+        }
+        let reason = Self::reason_for(&st, id, PluginKind::Node);
+        drop(st);
+        if self.knows(id) {
+            format!("not ready: {reason}")
+        } else {
+            format!("not configured: {reason}")
+        }
+    }
+
     /// The ready entry serving `kind` for `id`, if any.
     pub fn get_ready(&self, id: &str, kind: PluginKind) -> Option<PluginSnapshot> {
         let st = self.inner.state.lock();

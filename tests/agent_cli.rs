@@ -1260,3 +1260,172 @@ fn a_held_claim_is_waited_for_and_taken_after_the_holder_is_released() {
         strings(&[CP, NS, NP, NUP, NUS, CUP, CP, NS, NP])
     );
 }
+
+// ---- configuration as plugins and operators write it ---------------------------
+
+/// A plugin socket written as plugins and CSI tooling write it
+/// (`unix:///abs`) is used as the socket at that path.
+#[test]
+fn a_unix_url_plugin_endpoint_is_used() {
+    let w = World::new(|c| {
+        let socket = c.plugins[0].2.clone();
+        c.plugins[0].2 = PathBuf::from(format!("unix://{}", socket.display()));
+    });
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    let out = w
+        .agent
+        .cli(&["alloc", "mount", "a1", "--volume", "data=v", "--json"])
+        .ok()
+        .json();
+    let host = PathBuf::from(out["volumes"][0]["host_path"].as_str().expect("path"));
+    assert!(is_mount_point(&host));
+    assert_eq!(volume_methods(&w.plugin.call_log()), strings(&[CP, NS, NP]));
+}
+
+/// `mount_retry_deadline` bounds how long a mount retries a retryable CSI
+/// error; then the mount fails (DEADLINE_EXCEEDED, exit 1) and is rolled
+/// back: nothing stays mounted or claimed.
+#[test]
+fn mount_retry_deadline_bounds_a_mount_that_keeps_failing() {
+    let w = World::new(|c| c.mount_retry_deadline = Some("2s".into()));
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    w.plugin.faults().set(json!([
+        {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
+    ]));
+    let started = Instant::now();
+    let out = w.agent.cli(&[
+        "alloc",
+        "mount",
+        "a1",
+        "--volume",
+        "data=v",
+        "--timeout",
+        "60s",
+    ]);
+    let took = started.elapsed();
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr.contains("mount retry deadline"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "the mount gave up after {took:?}, not near its 2s deadline"
+    );
+    let methods = volume_methods(&w.plugin.call_log());
+    assert!(methods.len() > 3, "NodePublish was retried: {methods:?}");
+    assert_eq!(
+        &methods[methods.len() - 3..],
+        &strings(&[NUP, NUS, CUP])[..]
+    );
+    assert_eq!(w.agent.state()["claims"], json!([]));
+    assert_eq!(mounts_under(&w.mount_root()), Vec::new());
+}
+
+/// A volume whose plugin is neither configured nor in the plugin directory
+/// is registered with a warning, `volume list` shows its plugin's health,
+/// and a mount of it fails at once (not after `plugin_wait_timeout`),
+/// naming the plugin; nothing is recorded.
+#[test]
+fn an_unknown_plugin_is_named_at_registration_and_fails_a_mount_at_once() {
+    let w = World::new(|c| c.plugin_wait_timeout = "60s".into());
+    w.wait_plugin_ready();
+    let mut ghost = volume_json("g", "ext-g", &["single-node-writer"]);
+    ghost["plugin_id"] = json!("ghost");
+    let reg = w.agent.register(&ghost);
+    assert!(
+        reg.stderr
+            .contains("claimd: warning: plugin ghost is neither configured"),
+        "{}",
+        reg.stderr
+    );
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let list = w.agent.cli(&["volume", "list", "--json"]).ok().json();
+    let health = |id: &str| {
+        list["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["id"] == id)
+            .map(|v| v["plugin_health"].as_str().unwrap_or("").to_string())
+            .expect("listed")
+    };
+    assert_eq!(health("v"), "ready");
+    assert!(health("g").starts_with("not configured"), "{}", health("g"));
+    let table = w.agent.cli(&["volume", "list"]).ok();
+    assert!(table.stdout.contains("PLUGIN HEALTH"), "{}", table.stdout);
+
+    let started = Instant::now();
+    let out = w.agent.cli(&["alloc", "mount", "a1", "--volume", "data=g"]);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the mount waited for a plugin that cannot come"
+    );
+    assert!(
+        out.stderr
+            .contains("plugin ghost is neither configured nor in the plugin directory"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(w.agent.state()["allocs"], json!({}));
+    assert_eq!(volume_methods(&w.plugin.call_log()), Vec::<String>::new());
+}
+
+/// A mount that fails and is rolled back leaves a clear entry in `alloc
+/// status`: each volume named, with its plugin, path and phase `released`;
+/// never empty fields. Progress lines during the mount's retries start
+/// with `progress:`, errors with `claimd:`.
+#[test]
+fn a_failed_mount_leaves_a_clear_status_and_progress_is_not_an_error() {
+    let w = World::new(|c| c.mount_retry_deadline = Some("3s".into()));
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    w.plugin.faults().set(json!([
+        {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
+    ]));
+    let out = w.agent.cli(&["alloc", "mount", "a1", "--volume", "data=v"]);
+    assert_eq!(out.code, 1, "{out:?}");
+    let lines: Vec<&str> = out.stderr.lines().collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("progress: a1/data: ") && l.contains("(retrying)")),
+        "{}",
+        out.stderr
+    );
+    let errors: Vec<&&str> = lines.iter().filter(|l| l.starts_with("claimd: ")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {}", out.stderr);
+    wait_until(Duration::from_secs(20), "the rollback to finish", || {
+        w.agent.state()["allocs"] == json!({})
+    });
+    let st = w
+        .agent
+        .cli(&["alloc", "status", "a1", "--json"])
+        .ok()
+        .json();
+    let v = &st["allocs"][0]["volumes"][0];
+    for field in [
+        "alias",
+        "volume_id",
+        "plugin_id",
+        "phase",
+        "host_path",
+        "attachment_mode",
+    ] {
+        assert!(
+            v[field].as_str().is_some_and(|s| !s.is_empty()),
+            "field {field} is empty: {st}"
+        );
+    }
+    assert_eq!(v["volume_id"], "v");
+    assert_eq!(v["plugin_id"], PLUGIN_ID);
+    assert_eq!(v["phase"], "released");
+}

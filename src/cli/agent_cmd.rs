@@ -36,12 +36,15 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
     plugin_dir              none (layout: <dir>/<plugin-id>/csi.sock,
                             node.sock or controller.sock)
     plugins                 [] of {{\"id\", \"type\": node|controller|monolith,
-                            \"socket\": absolute path}}
+                            \"socket\": unix:///abs/path, unix:/abs/path
+                            or /abs/path}}
     node_name               this host's name
     csi_call_timeout        {call}
     plugin_wait_timeout     {wait}
     probe_interval          {probe}
     claim_retry_deadline    {claim}
+    mount_retry_deadline    {mount} (retryable CSI errors of a mount;
+                            then it fails and is rolled back)
     release_retry_deadline  {release}
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
 
@@ -67,6 +70,7 @@ EXIT CODES:
         wait = format_duration(d.plugin_wait),
         probe = format_duration(d.probe_interval),
         claim = format_duration(d.claim_retry_deadline),
+        mount = format_duration(d.mount_retry_deadline),
         release = format_duration(d.release_retry_deadline),
     )
 }

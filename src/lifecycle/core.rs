@@ -27,8 +27,6 @@ pub const CLAIM_BACKOFF: BackoffPolicy =
 /// Retries of CSI calls (kubelet: 500 ms doubling to ~2 min).
 pub const CSI_BACKOFF: BackoffPolicy =
     BackoffPolicy::new(Duration::from_millis(500), Duration::from_secs(60));
-/// How long a mount keeps retrying retryable CSI errors.
-pub const MOUNT_RETRY_DEADLINE: Duration = Duration::from_secs(120);
 /// Longest single wait for a plugin inside a release retry loop; the loop
 /// itself is bounded by the release deadline.
 const RELEASE_PLUGIN_WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -66,7 +64,7 @@ impl LifecycleOptions {
             plugin_wait: crate::config::DEFAULT_PLUGIN_WAIT_TIMEOUT,
             claim_retry_deadline: crate::config::DEFAULT_CLAIM_RETRY_DEADLINE,
             claim_backoff: CLAIM_BACKOFF,
-            mount_retry_deadline: MOUNT_RETRY_DEADLINE,
+            mount_retry_deadline: crate::config::DEFAULT_MOUNT_RETRY_DEADLINE,
             release_retry_deadline: crate::config::DEFAULT_RELEASE_RETRY_DEADLINE,
             csi_backoff: CSI_BACKOFF,
             restore_wait: crate::config::DEFAULT_PLUGIN_WAIT_TIMEOUT

@@ -140,6 +140,12 @@ pub enum MountError {
     UnknownVolume {
         volume_id: String,
     },
+    /// The volume's plugin is neither configured nor in the plugin
+    /// directory: waiting for it cannot help.
+    UnknownPlugin {
+        alias: String,
+        plugin_id: String,
+    },
     /// The allocation is being mounted, restored or released already, or
     /// holds other volumes.
     Busy {
@@ -217,6 +223,10 @@ impl fmt::Display for MountError {
             MountError::UnknownVolume { volume_id } => {
                 write!(f, "volume {volume_id} is not registered")
             }
+            MountError::UnknownPlugin { alias, plugin_id } => write!(
+                f,
+                "volume {alias} cannot be mounted: its plugin {plugin_id} is neither configured nor in the plugin directory"
+            ),
             MountError::Busy { alloc_id, why } => write!(f, "allocation {alloc_id} {why}"),
             MountError::Plugin { alias, .. } => write!(f, "volume {alias} could not be mounted"),
             MountError::Claim { alias, .. } => write!(f, "volume {alias} could not be claimed"),

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use self::core::Core;
-pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF, MOUNT_RETRY_DEADLINE};
+pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF};
 pub use error::{MountError, ReleaseError, StepError, VolumeRegistryError};
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
@@ -106,8 +106,9 @@ impl Lifecycle {
 
     // ---- volumes --------------------------------------------------------
 
-    /// Registers (or replaces, while unclaimed) a volume.
-    pub fn register_volume(&self, spec: VolumeSpec) -> Result<(), VolumeRegistryError> {
+    /// Registers (or replaces, while unclaimed) a volume. Answers with
+    /// warnings for the operator (its plugin is not known on this node).
+    pub fn register_volume(&self, spec: VolumeSpec) -> Result<Vec<String>, VolumeRegistryError> {
         spec.validate().map_err(VolumeRegistryError::Invalid)?;
         let changed = self
             .core
@@ -116,10 +117,25 @@ impl Lifecycle {
         if changed {
             self.refuse_if_claimed(&spec.id)?;
         }
-        self.core.store.update(|s| {
-            s.volumes.insert(spec.id.clone(), Arc::new(spec));
-            Ok(())
-        })
+        let mut warnings = Vec::new();
+        if !self.core.registry.knows(&spec.plugin_id) {
+            warnings.push(format!(
+                "plugin {} is neither configured nor in the plugin directory of this agent: mounts of volume {} fail until it is",
+                spec.plugin_id, spec.id
+            ));
+        }
+        self.core
+            .store
+            .update(|s| -> Result<(), VolumeRegistryError> {
+                s.volumes.insert(spec.id.clone(), Arc::new(spec));
+                Ok(())
+            })?;
+        Ok(warnings)
+    }
+
+    /// The node plugin's health, as `volume list` shows it.
+    pub fn plugin_health(&self, plugin_id: &str) -> String {
+        self.core.registry.node_health(plugin_id)
     }
 
     /// Deregisters a volume no allocation uses.

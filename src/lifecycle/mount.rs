@@ -215,6 +215,12 @@ fn wanted_records(
                 .ok_or_else(|| MountError::UnknownVolume {
                     volume_id: r.volume_id.clone(),
                 })?;
+            if !core.registry.knows(&spec.plugin_id) {
+                return Err(MountError::UnknownPlugin {
+                    alias: r.alias.clone(),
+                    plugin_id: spec.plugin_id.clone(),
+                });
+            }
             let usage = r.resolve(spec)?;
             wanted.insert(
                 r.alias.clone(),

@@ -33,6 +33,17 @@ impl ReleaseState {
     }
 }
 
+/// What a release report keeps of the volume it released: its record is
+/// gone once the release is done.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReleasedVolume {
+    pub volume_id: String,
+    pub plugin_id: String,
+    pub target_path: std::path::PathBuf,
+    pub read_only: bool,
+    pub attachment: crate::volumes::AttachmentMode,
+}
+
 /// (allocation, alias)
 type Key = (String, String);
 
@@ -53,9 +64,9 @@ struct Inner {
     /// Releases that completed, oldest first: their reports are kept for
     /// `alloc status` until MAX_RELEASE_REPORTS newer ones push them out.
     finished: VecDeque<Key>,
-    /// (alloc, alias) -> (volume ID, plugin ID) of a release report, so a
-    /// report outliving its record still names what it released.
-    released_volumes: HashMap<Key, (String, String)>,
+    /// (alloc, alias) -> the volume of a release report, so a report
+    /// outliving its record still names what it released.
+    released_volumes: HashMap<Key, ReleasedVolume>,
     /// (alloc, alias) -> when a call of that volume timed out (it may still
     /// be carried out by the plugin).
     uncertain: HashMap<Key, Instant>,
@@ -125,20 +136,19 @@ impl Progress {
     }
 
     /// Marks a release worker as running; false when one runs already.
-    pub fn begin_release(&self, alloc_id: &str, alias: &str, volume: (&str, &str)) -> bool {
+    pub fn begin_release(&self, alloc_id: &str, alias: &str, volume: ReleasedVolume) -> bool {
         let mut p = self.inner.lock();
         let k = key(alloc_id, alias);
         if !p.active.insert(k.clone()) {
             return false;
         }
         p.releases.insert(k.clone(), ReleaseState::InProgress);
-        p.released_volumes
-            .insert(k, (volume.0.to_string(), volume.1.to_string()));
+        p.released_volumes.insert(k, volume);
         true
     }
 
-    /// (volume ID, plugin ID) of the latest release of a volume.
-    pub fn released_volume(&self, alloc_id: &str, alias: &str) -> Option<(String, String)> {
+    /// The volume of the latest release report of (alloc, alias).
+    pub fn released_volume(&self, alloc_id: &str, alias: &str) -> Option<ReleasedVolume> {
         self.inner
             .lock()
             .released_volumes
@@ -238,9 +248,14 @@ mod tests {
         p.begin_mount("a").expect("first");
         assert_eq!(p.begin_mount("a"), Err(NotNow::Mounting));
         p.end_mount("a");
-        assert!(p.begin_release("a", "d", ("v", "p")));
+        let vol = ReleasedVolume {
+            volume_id: "v".into(),
+            plugin_id: "p".into(),
+            ..Default::default()
+        };
+        assert!(p.begin_release("a", "d", vol.clone()));
         assert!(
-            !p.begin_release("a", "d", ("v", "p")),
+            !p.begin_release("a", "d", vol.clone()),
             "one worker per volume"
         );
         assert_eq!(p.begin_mount("a"), Err(NotNow::Releasing));
@@ -248,10 +263,7 @@ mod tests {
         p.end_release("a", "d", ReleaseState::Released);
         assert!(p.wait_released("a", Duration::from_millis(10), || false));
         assert_eq!(p.releases("a")["d"], ReleaseState::Released);
-        assert_eq!(
-            p.released_volume("a", "d"),
-            Some(("v".to_string(), "p".to_string()))
-        );
+        assert_eq!(p.released_volume("a", "d"), Some(vol));
         p.forget_releases("a");
         assert!(p.releases("a").is_empty());
     }
@@ -261,7 +273,7 @@ mod tests {
         let p = Progress::default();
         for i in 0..MAX_RELEASE_REPORTS + 5 {
             let a = format!("a{i}");
-            assert!(p.begin_release(&a, "d", ("v", "p")));
+            assert!(p.begin_release(&a, "d", ReleasedVolume::default()));
             p.end_release(&a, "d", ReleaseState::Released);
         }
         assert!(p.releases("a0").is_empty());

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::core::{Core, SpawnError, Step, StepResult};
 use super::error::{ReleaseError, StepError};
-use super::progress::ReleaseState;
+use super::progress::{ReleaseState, ReleasedVolume};
 use crate::claims::ClaimChange;
 use crate::failpoints;
 use crate::plugins::PluginKind;
@@ -105,11 +105,15 @@ fn spawn_worker(core: &Arc<Core>, alloc_id: &str, alias: &str) -> Result<(), Rel
         // Released meanwhile by a worker that was already running.
         return Ok(());
     };
-    let volume = rec.volume_id;
-    if !core
-        .progress
-        .begin_release(alloc_id, alias, (&volume, &rec.plugin_id))
-    {
+    let volume = rec.volume_id.clone();
+    let report = ReleasedVolume {
+        volume_id: rec.volume_id,
+        plugin_id: rec.plugin_id,
+        target_path: rec.target_path,
+        read_only: rec.usage.read_only,
+        attachment: rec.usage.attachment,
+    };
+    if !core.progress.begin_release(alloc_id, alias, report) {
         return Ok(());
     }
     let c = core.clone();

@@ -34,18 +34,18 @@ pub struct AllocStatus {
 /// A volume whose release finished has no record any more: only its
 /// in-memory release report is left, with the volume it released.
 fn released(core: &Core, alloc_id: &str, alias: String, st: ReleaseState) -> VolumeStatus {
-    let (volume_id, plugin_id) = core
+    let v = core
         .progress
         .released_volume(alloc_id, &alias)
         .unwrap_or_default();
     VolumeStatus {
         alias,
-        volume_id,
-        plugin_id,
+        volume_id: v.volume_id,
+        plugin_id: v.plugin_id,
         phase: None,
-        host_path: PathBuf::new(),
-        read_only: false,
-        attachment: AttachmentMode::FileSystem,
+        host_path: v.target_path,
+        read_only: v.read_only,
+        attachment: v.attachment,
         release: Some(st),
         message: String::new(),
     }

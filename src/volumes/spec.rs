@@ -99,9 +99,12 @@ impl fmt::Display for AccessMode {
 }
 
 /// How the workload sees the volume.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttachmentMode {
+    #[default]
     FileSystem,
     BlockDevice,
 }

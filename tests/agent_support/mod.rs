@@ -92,6 +92,8 @@ pub struct AgentConfig {
     pub probe_interval: String,
     pub release_retry_deadline: String,
     pub claim_retry_deadline: String,
+    /// Left to the agent's default when None.
+    pub mount_retry_deadline: Option<String>,
 }
 
 impl AgentConfig {
@@ -116,6 +118,7 @@ impl AgentConfig {
             probe_interval: "2s".into(),
             release_retry_deadline: "10m".into(),
             claim_retry_deadline: "10s".into(),
+            mount_retry_deadline: None,
         }
     }
 
@@ -125,7 +128,7 @@ impl AgentConfig {
             .iter()
             .map(|(id, ty, socket)| json!({"id": id, "type": ty, "socket": socket}))
             .collect();
-        json!({
+        let mut config = json!({
             "state_dir": self.state_dir,
             "api_socket": self.api_socket,
             "mount_root": self.mount_root,
@@ -136,7 +139,11 @@ impl AgentConfig {
             "probe_interval": self.probe_interval,
             "release_retry_deadline": self.release_retry_deadline,
             "claim_retry_deadline": self.claim_retry_deadline,
-        })
+        });
+        if let Some(d) = &self.mount_retry_deadline {
+            config["mount_retry_deadline"] = json!(d);
+        }
+        config
     }
 
     /// Writes the config to `path` (parents created).

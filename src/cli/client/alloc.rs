@@ -146,16 +146,18 @@ pub(super) fn show_progress(socket: &Path, alloc_id: &str, done: &crossbeam_chan
         let Ok(r) = client.raw().get_alloc(&req, opt) else {
             continue;
         };
+        // Progress lines start with "progress:", never with "claimd:" as
+        // errors do, so people and scripts can tell them apart.
         let msgs: Vec<String> = r
             .alloc
             .volumes
             .iter()
             .filter(|v| !v.message.is_empty())
-            .map(|v| v.message.clone())
+            .map(|v| format!("progress: {alloc_id}/{}: {}", v.alias, v.message))
             .collect();
         for m in &msgs {
             if !last.contains(m) {
-                eprintln!("claimd: {m}");
+                eprintln!("{m}");
             }
         }
         last = msgs;

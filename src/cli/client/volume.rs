@@ -43,19 +43,25 @@ pub(super) fn volume_register(c: &Call) -> Result<(), CliError> {
         })?;
     }
     let api = c.connect()?;
+    let mut warnings = Vec::new();
     for s in &specs {
         let mut req = w::RegisterVolumeRequest::new();
         req.volume = protobuf::MessageField::some(spec_to_register_wire(s));
-        api.call("register", QUICK_CALL_TIMEOUT, |a, o| {
+        let r = api.call("register", QUICK_CALL_TIMEOUT, |a, o| {
             a.register_volume(&req, o)
         })?;
+        // Warnings go to stderr, marked as such, in both output modes.
+        for warning in &r.warnings {
+            eprintln!("claimd: warning: {warning}");
+        }
+        warnings.extend(r.warnings);
         if !c.json() {
             println!("volume {} registered", s.id);
         }
     }
     if c.json() {
         let ids: Vec<&str> = specs.iter().map(|s| s.id.as_str()).collect();
-        println!("{}", json!({ "registered": ids }));
+        println!("{}", json!({ "registered": ids, "warnings": warnings }));
     }
     Ok(())
 }
@@ -91,6 +97,7 @@ pub(super) fn volume_list(c: &Call) -> Result<(), CliError> {
                     "access_modes": v.access_modes, "attachment_modes": v.attachment_modes,
                     "fs_type": v.fs_type, "mount_flags": v.mount_flags,
                     "context": ctx, "secret_keys": keys,
+                    "plugin_health": v.plugin_health,
                 })
             })
             .collect();
@@ -103,6 +110,7 @@ pub(super) fn volume_list(c: &Call) -> Result<(), CliError> {
         "EXTERNAL ID".into(),
         "ACCESS MODES".into(),
         "ATTACHMENT".into(),
+        "PLUGIN HEALTH".into(),
     ]];
     let mut vols = r.volumes.clone();
     vols.sort_by(|a, b| a.id.cmp(&b.id));
@@ -113,6 +121,7 @@ pub(super) fn volume_list(c: &Call) -> Result<(), CliError> {
             v.external_id.clone(),
             v.access_modes.join(","),
             v.attachment_modes.join(","),
+            v.plugin_health.clone(),
         ]);
     }
     print_table(&rows);
