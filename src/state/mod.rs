@@ -19,13 +19,15 @@
 //! phase is made durable before its CSI call is sent, so a restart knows
 //! which calls may have happened.
 //!
-//! Files: `model` (what is recorded), `store` (the store and its group
-//! commit), `files` (reading and writing the snapshot and journal files),
+//! Files: `model` (what is recorded), `store` (the store: its writes and
+//! compaction), `group_commit` (sharing one durable write among concurrent
+//! changes), `files` (reading and writing the snapshot and journal files),
 //! `journal` (the journal's line format), `usage` (usage counting over
 //! the records), `error`.
 
 mod error;
 mod files;
+pub mod group_commit;
 pub mod journal;
 mod model;
 mod store;

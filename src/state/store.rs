@@ -8,10 +8,11 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::Mutex;
 
 use super::error::{current_boot_id, StateError};
 use super::files::{new_journal, open_journal, read_files, tmp_path, write_snapshot};
+use super::group_commit::GroupCommit;
 use super::journal::{self, Delta, JOURNAL_FILE};
 use super::model::StateFile;
 use super::{LOCK_FILE, STATE_FILE};
@@ -27,26 +28,6 @@ pub struct WriteStats {
     pub fsyncs: u64,
     /// Snapshot rewrites.
     pub snapshots: u64,
-}
-
-/// Group commit: changes of concurrent `update`s pile up in `pending` while
-/// one of them writes; the next writer makes the whole pile durable in one
-/// journal line. Sequence numbers tell each updater when its change is on
-/// disk.
-struct Commit {
-    /// What is on disk: what readers see.
-    committed: StateFile,
-    /// Changes applied but not yet durable, including the batch being
-    /// written; None when everything is durable.
-    pending: Option<StateFile>,
-    /// Sequence number of the latest change applied to `pending`.
-    applied: u64,
-    /// Every change up to this one is on disk.
-    durable: u64,
-    /// Every change up to this one failed to be written (and was dropped).
-    failed: u64,
-    failure: String,
-    writing: bool,
 }
 
 /// The journal file being appended to. Only the writer of the moment
@@ -73,8 +54,8 @@ pub struct StateStore {
     dir: PathBuf,
     path: PathBuf,
     journal_path: PathBuf,
-    state: Mutex<Commit>,
-    durable_changed: Condvar,
+    /// The durable state and the changes waiting for their write.
+    state: GroupCommit<StateFile>,
     journal: Mutex<Journal>,
     /// Boot ID recorded in the file at open.
     recorded_boot_id: String,
@@ -179,16 +160,7 @@ impl StateStore {
             dir: dir.to_path_buf(),
             path,
             journal_path,
-            state: Mutex::new(Commit {
-                committed: state,
-                pending: None,
-                applied: 0,
-                durable: 0,
-                failed: 0,
-                failure: String::new(),
-                writing: false,
-            }),
-            durable_changed: Condvar::new(),
+            state: GroupCommit::new(state),
             journal: Mutex::new(journal),
             recorded_boot_id,
             boot_id: boot_id.to_string(),
@@ -236,12 +208,12 @@ impl StateStore {
 
     /// Reads the durable state.
     pub fn read<R>(&self, f: impl FnOnce(&StateFile) -> R) -> R {
-        f(&self.state.lock().committed)
+        self.state.read(f)
     }
 
     /// A copy of the durable state (records are shared, not copied).
     pub fn snapshot(&self) -> StateFile {
-        self.state.lock().committed.clone()
+        self.state.read(StateFile::clone)
     }
 
     /// Applies `f` to a copy of the latest state; when it succeeds and
@@ -253,70 +225,17 @@ impl StateStore {
         &self,
         f: impl FnOnce(&mut StateFile) -> Result<R, E>,
     ) -> Result<R, E> {
-        let mut g = self.state.lock();
-        let base = g.pending.as_ref().unwrap_or(&g.committed);
-        let mut next = base.clone();
-        let r = f(&mut next)?;
-        // Wait for our change, or (when nothing changed) for the pending
-        // changes `f` may have read, to be on disk.
-        let mine = if next != *base {
-            g.applied += 1;
-            g.pending = Some(next);
-            g.applied
-        } else if g.pending.is_none() {
-            // Nothing changed and `f` read only durable state (a batch that
-            // failed earlier is not an error of this call).
-            return Ok(r);
-        } else {
-            g.applied
-        };
-        loop {
-            if g.durable >= mine {
-                return Ok(r);
-            }
-            if g.failed >= mine {
-                return Err(StateError::Write {
+        self.state.update(
+            f,
+            |old, batch| self.persist(old, batch).map_err(|e| crate::error_chain(&e)),
+            |failure| {
+                StateError::Write {
                     path: self.journal_path.clone(),
-                    source: io::Error::other(g.failure.clone()),
+                    source: io::Error::other(failure),
                 }
-                .into());
-            }
-            if g.writing {
-                self.durable_changed.wait(&mut g);
-                continue;
-            }
-            // Become the writer of everything pending. `pending` stays in
-            // place: changes applied while we write build on top of it.
-            let Some(batch) = g.pending.clone() else {
-                // Nothing pending yet not durable: cannot happen, but never
-                // spin on it.
-                return Ok(r);
-            };
-            let old = g.committed.clone();
-            let upto = g.applied;
-            g.writing = true;
-            let res = MutexGuard::unlocked(&mut g, || self.persist(&old, &batch));
-            g.writing = false;
-            match res {
-                Ok(()) => {
-                    g.committed = batch;
-                    g.durable = upto;
-                    if g.applied == upto {
-                        g.pending = None;
-                    }
-                    // Otherwise `pending` holds this batch plus the changes
-                    // applied meanwhile, for the next writer.
-                }
-                Err(e) => {
-                    // Later changes were built on the failed batch: drop
-                    // them too.
-                    g.failed = g.applied;
-                    g.failure = crate::error_chain(&e);
-                    g.pending = None;
-                }
-            }
-            self.durable_changed.notify_all();
-        }
+                .into()
+            },
+        )
     }
 
     /// Folds the journal into a new snapshot now (on a graceful stop), so
@@ -324,25 +243,15 @@ impl StateStore {
     /// progress; does nothing when the journal is empty or changes are
     /// still waiting for their writer (it will write them).
     pub fn compact(&self) -> Result<(), StateError> {
-        let mut g = self.state.lock();
-        while g.writing {
-            self.durable_changed.wait(&mut g);
-        }
-        if g.pending.is_some() {
-            return Ok(());
-        }
-        let state = g.committed.clone();
-        g.writing = true;
-        let res = MutexGuard::unlocked(&mut g, || {
-            let mut j = self.journal.lock();
-            if j.len == 0 && !j.broken {
-                return Ok(());
-            }
-            self.compact_into(&mut j, &state)
-        });
-        g.writing = false;
-        self.durable_changed.notify_all();
-        res
+        self.state
+            .exclusive(|state| {
+                let mut j = self.journal.lock();
+                if j.len == 0 && !j.broken {
+                    return Ok(());
+                }
+                self.compact_into(&mut j, state)
+            })
+            .unwrap_or(Ok(()))
     }
 
     /// Makes `new` durable, `old` being what is durable now: one journal

@@ -9,9 +9,8 @@
 
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -284,7 +283,7 @@ pub struct Agent {
     pub dev: bool,
     /// Extra environment of the agent process.
     pub envs: Vec<(String, String)>,
-    child: Option<Child>,
+    process: ChildProcess,
 }
 
 impl Agent {
@@ -328,13 +327,12 @@ impl Agent {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            child: None,
+            process: ChildProcess::new("the agent"),
         }
     }
 
     /// Starts the process (without waiting for the socket).
     pub fn spawn(&mut self) {
-        assert!(self.child.is_none(), "agent already running");
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -353,56 +351,26 @@ impl Agent {
         for (k, v) in &self.envs {
             cmd.env(k, v);
         }
-        self.child = Some(cmd.spawn().expect("start claimd agent"));
+        self.process.spawn(&mut cmd);
     }
 
     /// Waits until the API socket accepts a connection; panics with the log
     /// if the agent exits first.
     pub fn wait_listening(&mut self) {
-        let socket = self.config.api_socket.clone();
-        wait_until(
-            AGENT_START_TIMEOUT,
-            &format!("the agent to listen on {}", socket.display()),
-            || {
-                if let Some(status) = self.try_wait() {
-                    panic!(
-                        "the agent exited with {status} before listening:\n{}",
-                        self.log()
-                    );
-                }
-                UnixStream::connect(&socket).is_ok()
-            },
-        );
+        let log_path = &self.log_path;
+        self.process
+            .wait_listening(&self.config.api_socket, AGENT_START_TIMEOUT, || {
+                read_log(log_path)
+            });
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.child.is_some()
-    }
-
-    /// The exit status, if the agent has exited (reaped here).
-    pub fn try_wait(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        match child.try_wait().expect("wait for the agent") {
-            Some(status) => {
-                self.child = None;
-                Some(status)
-            }
-            None => None,
-        }
+        self.process.pid()
     }
 
     /// Waits for the agent to exit on its own.
     pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
-        let mut status = None;
-        wait_until(deadline, "the agent to exit", || {
-            status = self.try_wait();
-            status.is_some()
-        });
-        status.expect("wait_until returned, so the agent exited")
+        self.process.wait_exit(deadline)
     }
 
     /// Sends `sig` and waits up to `deadline` for the exit; returns the
@@ -426,10 +394,7 @@ impl Agent {
 
     /// SIGKILL, like a crash.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Starts the agent again with the same config; waits for its socket.
@@ -459,7 +424,7 @@ impl Agent {
 
     /// The agent's stderr so far.
     pub fn log(&self) -> String {
-        fs::read_to_string(&self.log_path).unwrap_or_default()
+        read_log(&self.log_path)
     }
 
     /// `<state_dir>/state.json`.

@@ -291,7 +291,7 @@ impl TestPluginBuilder {
             stderr: self.dir.join("stderr.log"),
             dir: self.dir,
             args: self.args,
-            child: None,
+            process: ChildProcess::new("the test plugin"),
         };
         plugin.spawn();
         plugin
@@ -305,7 +305,7 @@ impl TestPluginBuilder {
 pub struct TestPlugin {
     dir: PathBuf,
     args: Vec<String>,
-    child: Option<Child>,
+    process: ChildProcess,
     pub socket: PathBuf,
     pub root: PathBuf,
     pub call_log: PathBuf,
@@ -323,85 +323,47 @@ impl TestPlugin {
     }
 
     fn spawn(&mut self) {
-        assert!(self.child.is_none(), "plugin already running");
         let stderr = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.stderr)
             .expect("open the plugin's stderr log");
-        let child = Command::new(env!("CARGO_BIN_EXE_claimd-test-plugin"))
-            .arg("--endpoint")
-            .arg(&self.socket)
-            .arg("--root")
-            .arg(&self.root)
-            .arg("--call-log")
-            .arg(&self.call_log)
-            .arg("--faults")
-            .arg(&self.faults)
-            .args(&self.args)
-            .env("RUST_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("start claimd-test-plugin");
-        let pid = child.id();
-        self.child = Some(child);
+        self.process.spawn(
+            Command::new(env!("CARGO_BIN_EXE_claimd-test-plugin"))
+                .arg("--endpoint")
+                .arg(&self.socket)
+                .arg("--root")
+                .arg(&self.root)
+                .arg("--call-log")
+                .arg(&self.call_log)
+                .arg("--faults")
+                .arg(&self.faults)
+                .args(&self.args)
+                .env("RUST_LOG", "debug")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(stderr),
+        );
         // Readiness is a connect, not a CSI call, so the call log holds
         // exactly the calls the test made. A stale socket file refuses
         // connections until the new plugin has replaced it.
-        let socket = self.socket.clone();
-        wait_until(
-            PLUGIN_START_TIMEOUT,
-            &format!("test plugin (pid {pid}) to listen on {}", socket.display()),
-            || {
-                if let Some(status) = self.try_wait() {
-                    panic!(
-                        "test plugin exited with {status} before listening:\n{}",
-                        self.stderr_text()
-                    );
-                }
-                UnixStream::connect(&socket).is_ok()
-            },
-        );
+        let stderr = &self.stderr;
+        self.process
+            .wait_listening(&self.socket, PLUGIN_START_TIMEOUT, || read_log(stderr));
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.child.is_some()
-    }
-
-    /// The exit status, if the child has exited (reaped here).
-    pub fn try_wait(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        match child.try_wait().expect("wait for the test plugin") {
-            Some(status) => {
-                self.child = None;
-                Some(status)
-            }
-            None => None,
-        }
+        self.process.pid()
     }
 
     /// Waits for the plugin to exit on its own (an `exit` fault).
     pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
-        let mut status = None;
-        wait_until(deadline, "the test plugin to exit", || {
-            status = self.try_wait();
-            status.is_some()
-        });
-        status.expect("wait_until returned, so the plugin exited")
+        self.process.wait_exit(deadline)
     }
 
     /// SIGKILL, like a crash.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// SIGTERM, and wait for the exit.
@@ -453,7 +415,7 @@ impl TestPlugin {
     }
 
     pub fn stderr_text(&self) -> String {
-        fs::read_to_string(&self.stderr).unwrap_or_default()
+        read_log(&self.stderr)
     }
 }
 
@@ -468,6 +430,106 @@ impl Drop for TestPlugin {
             );
         }
     }
+}
+
+// ---- A child process ----------------------------------------------------
+
+/// A process a test started (the test plugin, the agent): reaped here when
+/// it exits, killed on drop. `what` names it in messages.
+pub struct ChildProcess {
+    child: Option<Child>,
+    what: String,
+}
+
+impl ChildProcess {
+    /// Not started yet.
+    pub fn new(what: &str) -> ChildProcess {
+        ChildProcess {
+            child: None,
+            what: what.to_string(),
+        }
+    }
+
+    /// Starts `cmd`; panics if the process is still running.
+    pub fn spawn(&mut self, cmd: &mut Command) {
+        assert!(self.child.is_none(), "{} is already running", self.what);
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.what));
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// The exit status, if the process has exited (reaped here).
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        match child
+            .try_wait()
+            .unwrap_or_else(|e| panic!("wait for {}: {e}", self.what))
+        {
+            Some(status) => {
+                self.child = None;
+                Some(status)
+            }
+            None => None,
+        }
+    }
+
+    /// Waits up to `deadline` for the process to exit on its own.
+    pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
+        let what = format!("{} to exit", self.what);
+        let mut status = None;
+        wait_until(deadline, &what, || {
+            status = self.try_wait();
+            status.is_some()
+        });
+        status.expect("wait_until returned, so the process exited")
+    }
+
+    /// SIGKILL, like a crash; reaps the process.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Waits up to `timeout` until `socket` accepts a connection; panics
+    /// with `log()` if the process exits first.
+    pub fn wait_listening(&mut self, socket: &Path, timeout: Duration, log: impl Fn() -> String) {
+        let pid = self
+            .pid()
+            .map_or("not running".into(), |p| format!("pid {p}"));
+        let what = format!("{} ({pid}) to listen on {}", self.what, socket.display());
+        wait_until(timeout, &what, || {
+            if let Some(status) = self.try_wait() {
+                panic!(
+                    "{} exited with {status} before listening:\n{}",
+                    self.what,
+                    log()
+                );
+            }
+            UnixStream::connect(socket).is_ok()
+        });
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A process's log file so far (empty if there is none yet).
+pub fn read_log(path: &Path) -> String {
+    fs::read_to_string(path).unwrap_or_default()
 }
 
 // ---- Call log and fault file ---------------------------------------------

@@ -8,39 +8,27 @@
 //!
 //! When nothing is pending the file is re-read on every call, so a test
 //! that edits or deletes it between calls is seen at once.
+//!
+//! The group commit itself is the state store's:
+//! `claimd::state::group_commit`.
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use parking_lot::{Condvar, Mutex};
+use claimd::state::group_commit::GroupCommit;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::files::write_atomic;
 
-struct Commit<S> {
-    /// What is on disk as far as this process knows; refreshed from the
-    /// file whenever nothing is pending.
-    committed: S,
-    /// Changes applied but not yet durable (including the batch being
-    /// written); None when everything is durable.
-    pending: Option<S>,
-    /// Sequence number of the latest change applied to `pending`.
-    applied: u64,
-    /// Every change up to this one is on disk.
-    durable: u64,
-    /// Every change up to this one was dropped by a failed write.
-    failed: u64,
-    failure: String,
-    writing: bool,
-}
-
 /// A JSON document written atomically, with group commit.
 pub struct Store<S> {
     path: PathBuf,
-    state: Mutex<Commit<S>>,
-    durable_changed: Condvar,
+    /// What is on disk as far as this process knows (refreshed from the
+    /// file whenever nothing is pending), and the changes waiting for
+    /// their write.
+    state: GroupCommit<S>,
 }
 
 pub type ControllerStore = Store<crate::controller::ControllerState>;
@@ -64,27 +52,15 @@ where
     pub fn new(path: PathBuf) -> Store<S> {
         Store {
             path,
-            state: Mutex::new(Commit {
-                committed: S::default(),
-                pending: None,
-                applied: 0,
-                durable: 0,
-                failed: 0,
-                failure: String::new(),
-                writing: false,
-            }),
-            durable_changed: Condvar::new(),
+            state: GroupCommit::new(S::default()),
         }
     }
 
     /// Runs `f` on the durable state (read from the file unless a write is
     /// in flight, when the file may still be the old one).
     pub fn read<R>(&self, f: impl FnOnce(&S) -> R) -> Result<R, String> {
-        let mut g = self.state.lock();
-        if g.pending.is_none() {
-            g.committed = load(&self.path)?;
-        }
-        Ok(f(&g.committed))
+        self.state.refresh(|| load(&self.path))?;
+        Ok(self.state.read(f))
     }
 
     /// Applies `f` to a copy of the latest state (durable or pending).
@@ -96,59 +72,8 @@ where
         &self,
         f: impl FnOnce(&mut S) -> Result<R, E>,
     ) -> Result<R, E> {
-        let mut g = self.state.lock();
-        if g.pending.is_none() {
-            g.committed = load(&self.path)?;
-        }
-        let base = g.pending.as_ref().unwrap_or(&g.committed);
-        let mut next = base.clone();
-        let r = f(&mut next)?;
-        let mine = if next != *base {
-            g.applied += 1;
-            g.pending = Some(next);
-            g.applied
-        } else {
-            g.applied
-        };
-        loop {
-            if g.durable >= mine {
-                return Ok(r);
-            }
-            if g.failed >= mine {
-                return Err(E::from(g.failure.clone()));
-            }
-            if g.writing {
-                self.durable_changed.wait(&mut g);
-                continue;
-            }
-            let Some(batch) = g.pending.clone() else {
-                // Not durable, not failed, nothing pending: impossible, but
-                // never spin on it.
-                return Err(E::from(format!(
-                    "controller state {}: change {mine} was lost",
-                    self.path.display()
-                )));
-            };
-            let upto = g.applied;
-            g.writing = true;
-            let res = parking_lot::MutexGuard::unlocked(&mut g, || self.write(&batch));
-            g.writing = false;
-            match res {
-                Ok(()) => {
-                    g.committed = batch;
-                    g.durable = upto;
-                    if g.applied == upto {
-                        g.pending = None;
-                    }
-                }
-                Err(e) => {
-                    g.failed = g.applied;
-                    g.failure = e;
-                    g.pending = None;
-                }
-            }
-            self.durable_changed.notify_all();
-        }
+        self.state.refresh(|| load(&self.path))?;
+        self.state.update(f, |_, batch| self.write(batch), E::from)
     }
 
     fn write(&self, state: &S) -> Result<(), String> {
@@ -254,12 +179,22 @@ mod tests {
             m.insert("b".into(), 2);
             Ok(())
         });
-        assert!(r.is_err(), "{r:?}");
+        let err = r.expect_err("the write fails");
+        assert!(err.starts_with("cannot write controller state"), "{err}");
         fs::remove_dir(&tmp).expect("unblock");
         assert_eq!(on_disk(&s), Map::from([("a".into(), 1)]));
         assert_eq!(
             s.read(|m| m.clone()).expect("read"),
             Map::from([("a".into(), 1)])
         );
+        // The failure was that change's: a call that changes nothing, then
+        // one that changes something, succeed.
+        assert_eq!(s.update(|m: &mut Map| Ok::<_, String>(m.len())), Ok(1));
+        s.update(|m: &mut Map| -> Result<(), String> {
+            m.insert("c".into(), 3);
+            Ok(())
+        })
+        .expect("update");
+        assert_eq!(on_disk(&s), Map::from([("a".into(), 1), ("c".into(), 3)]));
     }
 }
