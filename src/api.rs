@@ -194,7 +194,14 @@ pub fn alloc_to_wire(a: &AllocStatus) -> w::AllocStatus {
             x.plugin_id = v.plugin_id.clone();
             // A volume whose record is gone was released (only its
             // release report is left).
-            x.phase = v.phase.map_or("released", |p| p.name()).to_string();
+            // The live step of a running operation when there is one
+            // (`alloc status` shows where it is; `claimd state` the durable
+            // phase).
+            x.phase = match (&v.step, v.phase) {
+                (Some(step), _) => step.clone(),
+                (None, Some(p)) => p.name().to_string(),
+                (None, None) => "released".to_string(),
+            };
             x.host_path = v.host_path.to_string_lossy().into_owned();
             x.read_only = v.read_only;
             x.attachment_mode = if v.volume_id.is_empty() {

@@ -15,8 +15,7 @@
 /// stale.
 pub const FAILPOINTS: &[&str] = &[
     "mount-after-record",
-    "mount-after-claim",
-    "mount-after-first-phase",
+    "mount-after-intent",
     "before-controller-publish",
     "after-controller-publish",
     "before-node-stage",
@@ -32,7 +31,6 @@ pub const FAILPOINTS: &[&str] = &[
     "before-controller-unpublish",
     "after-controller-unpublish",
     "release-after-claim-freed",
-    "release-after-record-dropped",
     "restore-start",
     "state-after-snapshot",
 ];

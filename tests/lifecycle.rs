@@ -751,77 +751,65 @@ fn restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims() {
     release_two_allocations(&h, n);
 }
 
-// ---- 7. Restore from every in-flight phase -----------------------------------
+// ---- 7. Restore from every crash point --------------------------------------
 
-/// The state a crash leaves when the agent died in `phase`, the phase's
-/// call having reached the plugin (`happened`) or not, crafted from a
-/// real mount of a1/data -> v by undoing what had not happened yet.
-fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
+/// Where a crash left a1/data -> v: its durable phase, and how many of that
+/// phase's calls had taken effect (up: ControllerPublish, NodeStage,
+/// NodePublish; down: NodeUnpublish, NodeUnstage, ControllerUnpublish).
+/// `Claiming`: `done` 1 means the claim was taken, 0 that it was not.
+#[derive(Clone, Copy, Debug)]
+struct Crash {
+    phase: Phase,
+    done: usize,
+}
+
+/// The state a crash leaves, crafted from a real mount of a1/data -> v by
+/// undoing what had not happened yet (and doing what had, on the way down).
+fn craft_crash(h: &Harness, crash: Crash) {
     let target = h.target("a1", "v", SNW);
     let staging = h.staging("v");
-    use Phase::*;
-    let target_mounted = matches!(
-        (phase, happened),
-        (Publishing, true) | (Unpublishing, false)
-    );
-    if !target_mounted {
-        umount(&target);
-        // The plugin created the target and removes it on unpublish.
-        fs::remove_dir(&target).expect("remove the target");
-    }
-    // The agent creates the target's parents before NodePublish and
-    // removes them after NodeUnpublish.
-    if !matches!(phase, Publishing | Unpublishing) {
-        remove_empty_dirs(&h.mount_root.join("per-alloc/a1"));
-    }
-    let staging_mounted = matches!(
-        (phase, happened),
-        (Staging, true) | (Publishing, _) | (Unpublishing, _) | (Unstaging, false)
-    );
-    if !staging_mounted {
-        umount(&staging);
-    }
-    // The agent creates the staging directory before NodeStage and
-    // removes it after NodeUnstage.
-    if !matches!(phase, Staging | Publishing | Unpublishing | Unstaging) {
-        remove_empty_dirs(&h.mount_root.join("staging").join(PLUGIN));
-    }
-    let attached = match phase {
-        Claiming | ReleasingClaim => false,
-        ControllerPublishing => happened,
-        ControllerUnpublishing => !happened,
-        _ => true,
+    let Crash { phase, done } = crash;
+    let (attached, staged, published) = match phase {
+        Phase::Claiming => (false, false, false),
+        Phase::Mounting => (done >= 1, done >= 2, done >= 3),
+        Phase::Published => (true, true, true),
+        Phase::Releasing => (done < 3, done < 2, done < 1),
     };
+    if !published {
+        umount(&target);
+        // The plugin created the target and removes it on unpublish; the
+        // agent removes the parents it created.
+        fs::remove_dir(&target).expect("remove the target");
+        if phase != Phase::Mounting || done < 2 {
+            remove_empty_dirs(&h.mount_root.join("per-alloc/a1"));
+        }
+    }
+    if !staged {
+        umount(&staging);
+        if phase != Phase::Mounting {
+            remove_empty_dirs(&h.mount_root.join("staging").join(PLUGIN));
+        }
+    }
     if !attached {
         h.forget_attachment("v");
     }
-    let claim_held = match phase {
-        Claiming => happened,
-        ReleasingClaim => !happened,
-        _ => true,
-    };
+    let claim_held = phase != Phase::Claiming || done >= 1;
     h.edit_state(|s| {
         let a = s.alloc_mut("a1").expect("a1");
-        a.releasing = phase.is_teardown();
+        a.releasing = phase == Phase::Releasing;
         let v = std::sync::Arc::make_mut(a.volumes.get_mut("data").expect("data"));
         v.phase = phase;
         match phase {
-            Claiming => {
+            Phase::Claiming => {
                 v.external_node_id = None;
                 v.staging_path = None;
                 v.publish_context.clear();
                 v.holds_attachment = false;
                 v.holds_staging = false;
             }
-            ControllerPublishing => {
-                v.publish_context.clear();
-                v.holds_staging = false;
-            }
-            ControllerUnpublishing => v.holds_staging = false,
-            ReleasingClaim => {
-                v.holds_staging = false;
-                v.holds_attachment = false;
-            }
+            // The intent holds everything but the publish context, which
+            // the result records.
+            Phase::Mounting => v.publish_context.clear(),
             _ => {}
         }
         if !claim_held {
@@ -829,34 +817,50 @@ fn craft_crash(h: &Harness, phase: Phase, happened: bool) {
         }
         for c in s.claims.values_mut() {
             let c = std::sync::Arc::make_mut(c);
-            if matches!(phase, Claiming | ControllerPublishing) {
-                // The attachment is recorded in the claim after the call.
+            if matches!(phase, Phase::Claiming | Phase::Mounting) {
+                // The attachment is recorded with the claim in the result.
                 c.external_node_id = None;
                 c.publish_context.clear();
             }
-            if phase.is_teardown() {
+            if phase == Phase::Releasing {
                 c.state = ClaimState::Releasing;
             }
         }
     });
 }
 
-/// The lifecycle calls a restore must send for a crash in `phase`.
-fn calls_to_finish(phase: Phase) -> Vec<&'static str> {
-    match phase {
-        Phase::Claiming | Phase::ControllerPublishing => vec![CP, NS, NP],
-        Phase::Staging => vec![NS, NP],
-        Phase::Publishing => vec![NP],
+/// Every crash point of the protocol.
+fn every_crash() -> Vec<Crash> {
+    let mut v = vec![
+        Crash {
+            phase: Phase::Claiming,
+            done: 0,
+        },
+        Crash {
+            phase: Phase::Claiming,
+            done: 1,
+        },
+    ];
+    for phase in [Phase::Mounting, Phase::Releasing] {
+        for done in 0..=3 {
+            v.push(Crash { phase, done });
+        }
+    }
+    v
+}
+
+/// The lifecycle calls a restore sends after `crash`: the whole idempotent
+/// sequence from the durable phase (no call for a claim never taken).
+fn calls_to_finish(crash: Crash) -> Vec<&'static str> {
+    match crash.phase {
+        Phase::Claiming | Phase::Mounting => vec![CP, NS, NP],
         Phase::Published => vec![],
-        Phase::Unpublishing => vec![NU, NUS, CU],
-        Phase::Unstaging => vec![NUS, CU],
-        Phase::ControllerUnpublishing => vec![CU],
-        Phase::ReleasingClaim => vec![],
+        Phase::Releasing => vec![NU, NUS, CU],
     }
 }
 
-fn restore_converges_from(phase: Phase, happened: bool) {
-    let case = format!("crash in {phase} (call happened: {happened})");
+fn restore_converges_from(crash: Crash) {
+    let case = format!("crash in {} after {} call(s)", crash.phase, crash.done);
     let mut h = Harness::new();
     h.register(spec("v", &[AccessMode::SingleNodeWriter]));
     let target = h.target("a1", "v", SNW);
@@ -866,34 +870,34 @@ fn restore_converges_from(phase: Phase, happened: bool) {
         .expect("mount");
     let published = h.state_on_disk();
     h.stop();
-    craft_crash(&h, phase, happened);
+    craft_crash(&h, crash);
     let n = h.lifecycle_calls().len();
 
     h.start_again(FIRST_BOOT);
+    let writes_before = h.m().store().write_stats().writes;
     let report = h.m().restore();
     assert_eq!(report.errors, Vec::<String>::new(), "{case}");
     let want = ok_calls(
-        &calls_to_finish(phase)
+        &calls_to_finish(crash)
             .into_iter()
             .map(|m| (m, "v"))
             .collect::<Vec<_>>(),
     );
 
-    if phase.is_teardown() {
+    if crash.phase == Phase::Releasing {
         assert_eq!(report.releases_resumed, 1, "{case}");
         assert!(h.m().wait_released("a1", WAIT), "{case}: release hangs");
         assert_eq!(h.m().release_status("a1"), released(&["data"]), "{case}");
         assert_eq!(h.calls_since(n), want, "{case}");
-        if let Some(cu) = h.lifecycle_calls()[n..].iter().find(|c| c["method"] == CU) {
-            assert_eq!(cu["node_id"], PLUGIN_NODE_ID, "{case}");
-        }
+        let cu = &h.lifecycle_calls()[n + 2];
+        assert_eq!(cu["node_id"], PLUGIN_NODE_ID, "{case}");
         assert_eq!(h.claims().claim_calls(), 0, "{case}");
         assert_eq!(h.claims().release_calls(), 1, "{case}");
         assert_all_released(&h);
     } else {
         assert_eq!(report.mounts_finished, 1, "{case}");
         assert_eq!(h.calls_since(n), want, "{case}");
-        let claim_calls = usize::from(phase == Phase::Claiming);
+        let claim_calls = usize::from(crash.phase == Phase::Claiming);
         assert_eq!(h.claims().claim_calls(), claim_calls, "{case}");
         // Exactly one mount at each path, and the very record and claim a
         // clean mount leaves.
@@ -907,6 +911,11 @@ fn restore_converges_from(phase: Phase, happened: bool) {
         let st = h.state_on_disk();
         assert_eq!(st.allocs, published.allocs, "{case}");
         assert_eq!(st.claims, published.claims, "{case}");
+        // One durable write to finish (two from `claiming`: the intent
+        // with the claim, then the result).
+        let writes = h.m().store().write_stats().writes - writes_before;
+        let want_writes = if crash.phase == Phase::Claiming { 2 } else { 1 };
+        assert_eq!(writes, want_writes, "{case}: durable writes");
         assert_eq!(
             h.attachments(),
             BTreeMap::from([(external_id("v"), vec![PLUGIN_NODE_ID.to_string()])]),
@@ -931,41 +940,33 @@ fn restore_converges_from(phase: Phase, happened: bool) {
     }
 }
 
-fn restore_converges_from_every_up_phase() {
-    for phase in [
-        Phase::Claiming,
-        Phase::ControllerPublishing,
-        Phase::Staging,
-        Phase::Publishing,
-    ] {
-        for happened in [true, false] {
-            restore_converges_from(phase, happened);
+fn restore_converges_from_every_crash_on_the_way_up() {
+    for crash in every_crash() {
+        if crash.phase != Phase::Releasing {
+            restore_converges_from(crash);
         }
     }
 }
 
-fn restore_converges_from_every_teardown_phase() {
-    for phase in [
-        Phase::Unpublishing,
-        Phase::Unstaging,
-        Phase::ControllerUnpublishing,
-        Phase::ReleasingClaim,
-    ] {
-        for happened in [true, false] {
-            restore_converges_from(phase, happened);
+fn restore_converges_from_every_crash_on_the_way_down() {
+    for crash in every_crash() {
+        if crash.phase == Phase::Releasing {
+            restore_converges_from(crash);
         }
     }
 }
 
-fn restore_after_a_reboot_converges_from_in_flight_phases() {
-    for phase in [
-        Phase::ControllerPublishing,
-        Phase::Staging,
-        Phase::Publishing,
-        Phase::Unpublishing,
-        Phase::Unstaging,
-    ] {
-        let case = format!("reboot after a crash in {phase}");
+/// After a reboot nothing is mounted: a record in `mounting` redoes the
+/// whole way up, one in `releasing` the whole way down.
+fn restore_after_a_reboot_converges_from_every_crash() {
+    for crash in every_crash()
+        .into_iter()
+        .filter(|c| c.phase != Phase::Claiming)
+    {
+        let case = format!(
+            "reboot after a crash in {} after {} call(s)",
+            crash.phase, crash.done
+        );
         let mut h = Harness::new();
         h.register(spec("v", &[AccessMode::SingleNodeWriter]));
         h.m()
@@ -973,20 +974,19 @@ fn restore_after_a_reboot_converges_from_in_flight_phases() {
             .expect("mount");
         let published = h.state_on_disk();
         h.stop();
-        craft_crash(&h, phase, true);
+        craft_crash(&h, crash);
         let n = h.lifecycle_calls().len();
         detach_all_under(&h.mount_root);
         h.start_again("boot-2");
         let report = h.m().restore();
         assert_eq!(report.errors, Vec::<String>::new(), "{case}");
-        // After a reboot nothing is staged: the way up restages.
-        let want = match phase {
-            Phase::ControllerPublishing => vec![CP, NS, NP],
-            Phase::Staging | Phase::Publishing => vec![NS, NP],
-            other => calls_to_finish(other),
-        };
-        let want = ok_calls(&want.into_iter().map(|m| (m, "v")).collect::<Vec<_>>());
-        if phase.is_teardown() {
+        let want = ok_calls(
+            &calls_to_finish(crash)
+                .into_iter()
+                .map(|m| (m, "v"))
+                .collect::<Vec<_>>(),
+        );
+        if crash.phase == Phase::Releasing {
             assert!(h.m().wait_released("a1", WAIT), "{case}");
             assert_eq!(h.calls_since(n), want, "{case}");
             assert_all_released(&h);
@@ -1075,7 +1075,7 @@ fn release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node
     assert!(is_mount_point(&target));
     assert_eq!(h.lifecycle_calls().len(), 3);
     let st = h.state_on_disk();
-    assert_eq!(st.allocs["a1"].volumes["data"].phase, Phase::Unpublishing);
+    assert_eq!(st.allocs["a1"].volumes["data"].phase, Phase::Releasing);
     assert_eq!(st.claims.len(), 1);
     assert_eq!(claim_list(&st)[0].state, ClaimState::Releasing);
 
@@ -1149,7 +1149,7 @@ fn one_stuck_volume_does_not_hold_back_the_other_nine() {
     let st = h.state_on_disk();
     let left: Vec<&String> = st.allocs["a1"].volumes.keys().collect();
     assert_eq!(left, vec!["d9"]);
-    assert_eq!(st.allocs["a1"].volumes["d9"].phase, Phase::Unpublishing);
+    assert_eq!(st.allocs["a1"].volumes["d9"].phase, Phase::Releasing);
     assert_eq!(st.claims.len(), 1);
     assert_eq!(claim_list(&st)[0].volume_id, "v9");
     assert_eq!(claim_list(&st)[0].state, ClaimState::Releasing);
@@ -1431,7 +1431,8 @@ fn release_during_an_in_flight_stage_converges_to_released() {
     assert!(h.m().wait_released("a1", WAIT), "release did not end");
     assert_eq!(h.m().release_status("a1"), released(&["data"]));
     // The mount either lost the race after NodeStage (no NodePublish) or
-    // published first; either way the release undoes everything, in order.
+    // published first; either way the release undoes everything it sent,
+    // in order (a NodePublish never sent is not undone).
     let calls = h.calls_since(0);
     let published = calls.iter().any(|(m, _, _)| m == NP);
     let want: &[(&str, &str)] = if published {
@@ -1444,7 +1445,7 @@ fn release_during_an_in_flight_stage_converges_to_released() {
             (CU, "v"),
         ]
     } else {
-        &[(CP, "v"), (NS, "v"), (NU, "v"), (NUS, "v"), (CU, "v")]
+        &[(CP, "v"), (NS, "v"), (NUS, "v"), (CU, "v")]
     };
     assert_eq!(calls, ok_calls(want), "mount outcome: {outcome:?}");
     if published {
@@ -1851,10 +1852,10 @@ fn remote_store_unreachable_during_release_frees_the_claim_when_it_answers() {
             .mount("a1", &[request("data", "v", false)])
             .expect("mount");
         let before = h.claims().remote_log().len();
-        // Marking the claim fails (in the release's first write and in the
-        // worker), and so do the first two frees: the node side and the
-        // detach do not wait for the store.
-        h.claims().fail_verb("mark-releasing", 2);
+        // Marking the claim fails (in the release's first write: the way
+        // down does not wait for it), and so do the first two frees, after
+        // the node side and the detach went through.
+        h.claims().fail_verb("mark-releasing", 1);
         h.claims().fail_verb("free", 2);
         assert_eq!(h.m().release("a1").expect("release"), ReleaseStart::Started);
         assert!(h.m().wait_released("a1", WAIT), "release did not end");
@@ -1862,13 +1863,7 @@ fn remote_store_unreachable_during_release_frees_the_claim_when_it_answers() {
         let log = h.claims().remote_log()[before..].to_vec();
         assert_eq!(
             log,
-            [
-                "mark-releasing v a1",
-                "mark-releasing v a1",
-                "free v a1",
-                "free v a1",
-                "free v a1"
-            ],
+            ["mark-releasing v a1", "free v a1", "free v a1", "free v a1"],
             "each change is asked again until the store answers"
         );
         assert_eq!(
@@ -1912,9 +1907,9 @@ both_stores!(
     two_allocations_share_one_staging_and_one_attachment,
     restore_with_everything_mounted_costs_no_call_and_no_claim,
     restore_after_a_reboot_stages_and_publishes_again_under_the_held_claims,
-    restore_converges_from_every_up_phase,
-    restore_converges_from_every_teardown_phase,
-    restore_after_a_reboot_converges_from_in_flight_phases,
+    restore_converges_from_every_crash_on_the_way_up,
+    restore_converges_from_every_crash_on_the_way_down,
+    restore_after_a_reboot_converges_from_every_crash,
     failing_node_unpublish_is_retried_and_detach_comes_last,
     release_waits_for_a_restarted_node_plugin_and_detaches_with_the_recorded_node_id,
     one_stuck_volume_does_not_hold_back_the_other_nine,

@@ -192,7 +192,6 @@ impl Core {
         })?;
         applied.single()?;
         crate::failpoints::hit("release-after-claim-freed");
-        crate::failpoints::hit("release-after-record-dropped");
         Ok(Step::Done)
     }
 

@@ -14,12 +14,15 @@
 //! `status` (what `alloc status` shows), `error`.
 
 mod core;
+mod down;
 mod error;
 mod mount;
+mod plan;
 mod progress;
 mod release;
 mod restore;
 mod status;
+mod up;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

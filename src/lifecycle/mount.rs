@@ -1,29 +1,30 @@
 //! Mount: take every requested volume of an allocation from nothing to
 //! published, reading top-down like the steps it does:
 //!
-//! 1. record the allocation (and, for volumes whose plugins are ready,
-//!    take the claim and enter the first phase in the same write);
-//! 2. per volume: wait for the node plugin, take the claim (retrying while
-//!    another allocation holds it), then ControllerPublish → NodeStage →
-//!    NodePublish, each made durable as an in-flight phase before its call;
+//! 1. the intent, one durable write before any call: the allocation's
+//!    records, and for volumes whose plugins are ready the claim and the
+//!    plan (`mounting`) in the same transaction; the others wait in
+//!    `claiming` and take their claim with their intent in `take_claim`;
+//! 2. per volume: ControllerPublish → NodeStage → NodePublish (`up`), then
+//!    the result, one durable write (`published`);
 //! 3. on a failure, roll back what was done (a release of the allocation).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::core::{attach_change, Core, Step, StepResult};
+use super::core::{Core, Step};
 use super::error::{MountError, StepError};
+use super::plan::{check_volume_limit, controller_for, ready_plans, Plan};
 use super::progress::NotNow;
 use super::release;
+use super::up::{self, Up};
 use crate::claims::{Applied, ClaimChange};
 use crate::failpoints;
-use crate::plugins::{PluginKind, PluginSnapshot, WaitError};
+use crate::plugins::{PluginKind, WaitError};
 use crate::retry::{Backoff, Interrupted};
 use crate::state::{AllocRecord, AllocVolume, Phase, StateFile};
-use crate::volumes::{requests, validate_requests, AttachmentMode, Paths, Usage, VolumeRequest};
-use crate::volumes::{OperationLock, VolumeSpec};
+use crate::volumes::{validate_requests, AttachmentMode, Paths, Usage, VolumeRequest, VolumeSpec};
 
 /// How long a failed mount waits for its own rollback before answering.
 pub const ROLLBACK_WAIT: Duration = Duration::from_secs(30);
@@ -82,8 +83,9 @@ pub fn mount(
         Some(refused) => Err(refused),
         None => {
             let deadline = Instant::now() + core.opts.mount_retry_deadline;
-            reqs.iter()
-                .try_for_each(|r| mount_volume(core, alloc_id, &r.alias, deadline))
+            reqs.iter().try_for_each(|r| {
+                mount_volume(core, alloc_id, &r.alias, deadline, Redo::Unfinished)
+            })
         }
     };
     match result {
@@ -153,6 +155,7 @@ fn record_intent(
                 if let (Ok(()), Some(v)) = (outcome, volumes.get_mut(alias)) {
                     let staged = s.staging_path_of(&v.volume_id, (alloc_id, alias));
                     plans[&v.plugin_id].enter(v, paths, staged);
+                    core.progress.intent_recorded(alloc_id, alias);
                 }
             }
             s.allocs.insert(
@@ -176,9 +179,8 @@ fn record_intent(
     core.progress.forget_releases(alloc_id);
     failpoints::hit("mount-after-record");
     if outcomes.iter().any(Result::is_ok) {
-        // The claim and the first phase are durable already.
-        failpoints::hit("mount-after-claim");
-        failpoints::hit("mount-after-first-phase");
+        // The claim and the intent are durable already.
+        failpoints::hit("mount-after-intent");
     }
     log::info!("mounting allocation {alloc_id}: {} volume(s)", reqs.len());
     // A claim that can never be granted fails the mount now; one held by
@@ -262,36 +264,6 @@ fn wanted_records(
     }
 }
 
-/// The node plugin's `max_volumes_per_node`: a volume not in use on this
-/// node yet is refused at once when the plugin's limit is reached (retrying
-/// RESOURCE_EXHAUSTED cannot help). `mine`: volumes the same mount takes
-/// before this one.
-fn check_volume_limit(
-    s: &StateFile,
-    plan: &Plan,
-    v: &AllocVolume,
-    mine: &BTreeSet<String>,
-) -> Result<(), MountError> {
-    if plan.max_volumes <= 0 {
-        return Ok(());
-    }
-    let mut used: BTreeSet<&str> = s
-        .alloc_volumes()
-        .filter(|(_, o)| o.plugin_id == v.plugin_id && o.phase != Phase::Claiming)
-        .map(|(_, o)| o.volume_id.as_str())
-        .collect();
-    used.extend(mine.iter().map(String::as_str));
-    if used.contains(v.volume_id.as_str()) || (used.len() as i64) < plan.max_volumes {
-        return Ok(());
-    }
-    Err(MountError::VolumeLimit {
-        alias: v.alias.clone(),
-        plugin_id: v.plugin_id.clone(),
-        max: plan.max_volumes,
-        in_use: used.into_iter().map(str::to_string).collect(),
-    })
-}
-
 fn same_volumes(existing: &AllocRecord, wanted: &BTreeMap<String, AllocVolume>) -> bool {
     existing.volumes.len() == wanted.len()
         && wanted.iter().all(|(alias, w)| {
@@ -348,15 +320,26 @@ pub fn mounted(core: &Core, alloc_id: &str) -> Vec<MountedVolume> {
     })
 }
 
+/// What a mount of one volume redoes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Redo {
+    /// From wherever the record stands to `published`.
+    Unfinished,
+    /// A published volume whose mounts are gone: the node side again.
+    NodeSide,
+}
+
 /// Step 2: takes one volume from wherever it stands to `published`.
 pub fn mount_volume(
     core: &Core,
     alloc_id: &str,
     alias: &str,
     deadline: Instant,
+    redo: Redo,
 ) -> Result<(), MountError> {
-    let result = mount_volume_steps(core, alloc_id, alias, deadline);
+    let result = mount_volume_steps(core, alloc_id, alias, deadline, redo);
     core.progress.set_message(alloc_id, alias, None);
+    core.progress.set_step(alloc_id, alias, None);
     result
 }
 
@@ -365,13 +348,14 @@ fn mount_volume_steps(
     alloc_id: &str,
     alias: &str,
     deadline: Instant,
+    redo: Redo,
 ) -> Result<(), MountError> {
     let gone = || MountError::Busy {
         alloc_id: alloc_id.to_string(),
         why: format!("no longer records volume {alias}"),
     };
     let rec = core.record(alloc_id, alias).ok_or_else(gone)?;
-    if rec.phase == Phase::Published {
+    if rec.phase == Phase::Published && redo == Redo::Unfinished {
         return Ok(());
     }
     // The node plugin must be ready before anything else.
@@ -393,14 +377,21 @@ fn mount_volume_steps(
             .read(|s| check_volume_limit(s, &plan, &rec, &BTreeSet::new()))?;
         take_claim(core, alloc_id, &rec, &plan)?;
     }
-    // Controller publish, stage, publish.
+    // Controller publish, stage, publish, from the intent now recorded.
+    let rec = core.record(alloc_id, alias).ok_or_else(gone)?;
+    let mut up = match redo {
+        Redo::Unfinished => Up::all(&rec),
+        Redo::NodeSide => Up::node_side(&rec),
+    };
     let (mut node, mut controller) = (node, controller);
     let mut backoff = Backoff::new(core.opts.csi_backoff, deadline);
     loop {
         if core.shutdown.is_triggered() {
             return Err(MountError::Shutdown);
         }
-        match mount_step(core, alloc_id, alias, &node, controller.as_ref()) {
+        let live = up.next().map(|c| c.step_name().to_string());
+        core.progress.set_step(alloc_id, alias, live);
+        match up::step(core, alloc_id, alias, &mut up, &node, controller.as_ref()) {
             Ok(step) => {
                 // A call answered: no retry message is current, no earlier
                 // timed-out call is in doubt, and the next step starts its
@@ -459,66 +450,7 @@ fn mount_volume_steps(
     }
 }
 
-/// The ready controller side of a plugin, when the plugin has one with
-/// PUBLISH_UNPUBLISH_VOLUME.
-fn controller_for(
-    core: &Core,
-    alloc_id: &str,
-    plugin_id: &str,
-    alias: &str,
-) -> Result<Option<PluginSnapshot>, MountError> {
-    let reg = &core.registry;
-    if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
-        return Ok(None);
-    }
-    if reg.get_ready(plugin_id, PluginKind::Controller).is_none() {
-        core.progress.set_message(
-            alloc_id,
-            alias,
-            Some(format!("waiting for controller plugin {plugin_id}")),
-        );
-    }
-    let c = reg
-        .wait_for_plugin(plugin_id, PluginKind::Controller, core.opts.plugin_wait)
-        .map_err(|source| MountError::Plugin {
-            alias: alias.to_string(),
-            source,
-        })?;
-    core.progress.set_message(alloc_id, alias, None);
-    Ok(publishes(&c).then_some(c))
-}
-
-fn publishes(controller: &PluginSnapshot) -> bool {
-    controller
-        .controller_capabilities
-        .as_ref()
-        .is_some_and(|caps| caps.publish_unpublish_volume)
-}
-
-/// Plans for the plugins that are ready now (node side, and controller
-/// side when the plugin has one): what lets the first write claim. Plugins
-/// not ready are left out; their volumes take the waiting path.
-fn ready_plans<'a>(core: &Core, plugins: impl Iterator<Item = &'a str>) -> HashMap<String, Plan> {
-    let reg = &core.registry;
-    let mut plans = HashMap::new();
-    for p in plugins.collect::<BTreeSet<_>>() {
-        let Some(node) = reg.get_ready(p, PluginKind::Node) else {
-            continue;
-        };
-        let controller = if reg.serves(p, PluginKind::Controller) == Some(false) {
-            false
-        } else {
-            match reg.get_ready(p, PluginKind::Controller) {
-                Some(c) => publishes(&c),
-                None => continue,
-            }
-        };
-        plans.insert(p.to_string(), Plan::new(&node, controller));
-    }
-    plans
-}
-
-/// Takes the claim and enters the first phase in one transaction, retrying
+/// Takes the claim and records the intent in one transaction, retrying
 /// while another allocation holds the claim.
 fn take_claim(
     core: &Core,
@@ -562,6 +494,7 @@ fn take_claim(
                         let staged = s.staging_path_of(&rec.volume_id, (alloc_id, alias));
                         if let Some(v) = s.volume_mut(alloc_id, alias) {
                             plan.enter(v, paths, staged);
+                            core.progress.intent_recorded(alloc_id, alias);
                         }
                     }
                 },
@@ -571,8 +504,7 @@ fn take_claim(
         match attempt {
             Ok(true) => {
                 core.progress.set_message(alloc_id, alias, None);
-                failpoints::hit("mount-after-claim");
-                failpoints::hit("mount-after-first-phase");
+                failpoints::hit("mount-after-intent");
                 return Ok(());
             }
             Ok(false) => {
@@ -596,103 +528,6 @@ fn take_claim(
     }
 }
 
-/// One step up, under the volume's operation lock.
-fn mount_step(
-    core: &Core,
-    alloc_id: &str,
-    alias: &str,
-    node: &PluginSnapshot,
-    controller: Option<&PluginSnapshot>,
-) -> StepResult {
-    let gone = |why: String| StepError::Gone { why };
-    let rec = core
-        .record(alloc_id, alias)
-        .ok_or_else(|| gone(format!("no longer records volume {alias}")))?;
-    let _lock: OperationLock<'_> = core.lock_volume(&rec.volume_id)?;
-    // Re-read under the lock.
-    let Some(rec) = core.record(alloc_id, alias) else {
-        return Ok(Step::Next);
-    };
-    let spec = core
-        .spec(&rec.volume_id)
-        .ok_or_else(|| StepError::UnknownVolume {
-            volume_id: rec.volume_id.clone(),
-        })?;
-    let me = (alloc_id, alias);
-    match rec.phase {
-        Phase::Published => Ok(Step::Done),
-        Phase::Claiming => Err(gone(format!("volume {alias} is not claimed yet"))),
-        p if p.is_teardown() => Err(gone("is being released".to_string())),
-        Phase::ControllerPublishing => {
-            // Already attached to this node for another allocation?
-            let shared = core.store.read(|s| {
-                s.established_attachment(&rec.volume_id, rec.external_node_id.as_deref(), me)
-            });
-            let ctx = match shared {
-                Some(ctx) => ctx,
-                None => {
-                    let c = controller.ok_or_else(|| StepError::NoController {
-                        plugin_id: rec.plugin_id.clone(),
-                    })?;
-                    let readonly = c
-                        .controller_capabilities
-                        .as_ref()
-                        .is_some_and(|caps| caps.publish_readonly);
-                    let req = requests::controller_publish(rec.volume_ref(), &spec, readonly);
-                    failpoints::hit("before-controller-publish");
-                    let ctx = c.client.controller_publish_volume(&req)?;
-                    failpoints::hit("after-controller-publish");
-                    ctx
-                }
-            };
-            let stage = rec.staging_path.is_some();
-            let attach = attach_change(alloc_id, &rec, &ctx);
-            core.advance_with_claim(alloc_id, alias, attach, |v| {
-                v.publish_context = ctx;
-                if stage {
-                    v.holds_staging = true;
-                    v.phase = Phase::Staging;
-                } else {
-                    v.phase = Phase::Publishing;
-                }
-            })?;
-            Ok(Step::Next)
-        }
-        Phase::Staging => {
-            let staging = rec.staging_path.clone().unwrap_or_default();
-            if !core.store.read(|s| s.staging_established(&staging, me)) {
-                create_dir(&staging)?;
-                let req = requests::node_stage(rec.volume_ref(), &spec);
-                failpoints::hit("before-node-stage");
-                node.client.node_stage_volume(&req)?;
-                failpoints::hit("after-node-stage");
-            }
-            core.advance(alloc_id, alias, |v| v.phase = Phase::Publishing)?;
-            Ok(Step::Next)
-        }
-        Phase::Publishing => {
-            if let Some(parent) = rec.target_path.parent() {
-                create_dir(parent)?;
-            }
-            let req = requests::node_publish(rec.volume_ref(), &spec);
-            failpoints::hit("before-node-publish");
-            node.client.node_publish_volume(&req)?;
-            failpoints::hit("after-node-publish");
-            core.advance(alloc_id, alias, |v| v.phase = Phase::Published)?;
-            failpoints::hit("mount-after-published");
-            log::info!(
-                "allocation {alloc_id}: volume {} mounted at {}",
-                rec.volume_id,
-                rec.target_path.display()
-            );
-            Ok(Step::Done)
-        }
-        other => Err(gone(format!(
-            "volume {alias} is in an unexpected phase {other}"
-        ))),
-    }
-}
-
 /// Step 3: a failed mount is undone by releasing the allocation.
 fn rollback(core: &Arc<Core>, alloc_id: &str) {
     if let Err(e) = release::release(core, alloc_id) {
@@ -712,61 +547,4 @@ fn rollback(core: &Arc<Core>, alloc_id: &str) {
             ROLLBACK_WAIT
         );
     }
-}
-
-/// Which calls a volume needs, decided once its plugins are known.
-struct Plan {
-    stage: bool,
-    controller: bool,
-    /// The node plugin's `max_volumes_per_node` (0: no limit).
-    max_volumes: i64,
-    /// The node plugin's node ID: the external node ID of the attachment.
-    node_id: String,
-}
-
-impl Plan {
-    fn new(node: &PluginSnapshot, controller: bool) -> Plan {
-        Plan {
-            stage: node
-                .node_capabilities
-                .as_ref()
-                .is_some_and(|c| c.stage_unstage_volume),
-            controller,
-            max_volumes: node
-                .node_info
-                .as_ref()
-                .map_or(0, |n| n.max_volumes_per_node),
-            node_id: node.node_id().unwrap_or_default().to_string(),
-        }
-    }
-
-    /// Moves a record from `claiming` to its first in-flight phase, setting
-    /// the holds-flags before the call they stand for is sent. A volume
-    /// already staged on this node (`staged`, possibly at a path of an
-    /// earlier release's layout) keeps its one staging path.
-    fn enter(&self, v: &mut AllocVolume, paths: &Paths, staged: Option<PathBuf>) {
-        if v.phase != Phase::Claiming {
-            return;
-        }
-        v.staging_path = self
-            .stage
-            .then(|| staged.unwrap_or_else(|| paths.staging(&v.plugin_id, &v.volume_id)));
-        if self.controller {
-            v.external_node_id = Some(self.node_id.clone());
-            v.holds_attachment = true;
-            v.phase = Phase::ControllerPublishing;
-        } else if self.stage {
-            v.holds_staging = true;
-            v.phase = Phase::Staging;
-        } else {
-            v.phase = Phase::Publishing;
-        }
-    }
-}
-
-fn create_dir(path: &Path) -> Result<(), StepError> {
-    std::fs::create_dir_all(path).map_err(|source| StepError::CreateDir {
-        path: path.to_path_buf(),
-        source,
-    })
 }

@@ -44,6 +44,14 @@ pub struct ReleasedVolume {
     pub attachment: crate::volumes::AttachmentMode,
 }
 
+/// The calls up sent (answered or not) since an intent recorded in this run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SentUp {
+    pub controller_publish: bool,
+    pub node_stage: bool,
+    pub node_publish: bool,
+}
+
 /// (allocation, alias)
 type Key = (String, String);
 
@@ -67,6 +75,13 @@ struct Inner {
     /// (alloc, alias) -> the volume of a release report, so a report
     /// outliving its record still names what it released.
     released_volumes: HashMap<Key, ReleasedVolume>,
+    /// (alloc, alias) -> the call a running mount or release is at (the
+    /// live step `alloc status` shows; the durable phase is coarser).
+    steps: HashMap<Key, String>,
+    /// (alloc, alias) -> the calls up sent for an intent recorded in this
+    /// run (so a rollback undoes only what was sent; after a restart the
+    /// history is unknown and the whole way down is redone).
+    sent: HashMap<Key, SentUp>,
     /// (alloc, alias) -> when a call of that volume timed out (it may still
     /// be carried out by the plugin).
     uncertain: HashMap<Key, Instant>,
@@ -124,6 +139,45 @@ impl Progress {
             Some(m) => p.messages.insert(key(alloc_id, alias), m),
             None => p.messages.remove(&key(alloc_id, alias)),
         };
+    }
+
+    pub fn set_step(&self, alloc_id: &str, alias: &str, step: Option<String>) {
+        let mut p = self.inner.lock();
+        match step {
+            Some(s) => p.steps.insert(key(alloc_id, alias), s),
+            None => p.steps.remove(&key(alloc_id, alias)),
+        };
+    }
+
+    /// The call a running mount or release of the volume is at.
+    pub fn step(&self, alloc_id: &str, alias: &str) -> Option<String> {
+        self.inner.lock().steps.get(&key(alloc_id, alias)).cloned()
+    }
+
+    /// An intent was recorded in this run: from now on every call up of
+    /// the volume is tracked.
+    pub fn intent_recorded(&self, alloc_id: &str, alias: &str) {
+        self.inner
+            .lock()
+            .sent
+            .insert(key(alloc_id, alias), SentUp::default());
+    }
+
+    /// A call up is about to be sent (when its intent is from this run).
+    pub fn sending(&self, alloc_id: &str, alias: &str, f: impl FnOnce(&mut SentUp)) {
+        if let Some(s) = self.inner.lock().sent.get_mut(&key(alloc_id, alias)) {
+            f(s);
+        }
+    }
+
+    /// The calls up sent for an intent of this run; None when unknown.
+    pub fn sent_up(&self, alloc_id: &str, alias: &str) -> Option<SentUp> {
+        self.inner.lock().sent.get(&key(alloc_id, alias)).copied()
+    }
+
+    /// Forgets the history of a volume (published, or released).
+    pub fn forget_sent(&self, alloc_id: &str, alias: &str) {
+        self.inner.lock().sent.remove(&key(alloc_id, alias));
     }
 
     pub fn message(&self, alloc_id: &str, alias: &str) -> String {

@@ -4,12 +4,13 @@
 //! still held; in-flight phases are finished; releases are resumed in the
 //! background.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::core::Core;
 use super::error::MountError;
-use super::mount::{self, MountGuard};
+use super::mount::{self, MountGuard, Redo};
 use super::release;
 use crate::failpoints;
 use crate::mounts::MountTable;
@@ -34,10 +35,8 @@ pub struct RestoreReport {
 struct Plan {
     to_mount: Vec<String>,
     to_release: Vec<String>,
-    /// Published but gone: back to the first node step.
-    remount: Vec<(String, String)>,
-    /// Cut off in `publishing` before a reboot: the staging is gone too.
-    restage: Vec<(String, String)>,
+    /// Published but gone: the node side is redone (no write, no claim).
+    remount: BTreeSet<(String, String)>,
     intact: usize,
 }
 
@@ -55,9 +54,7 @@ fn plan(snapshot: &StateFile, table: &MountTable, rebooted: bool) -> Plan {
                     p.intact += 1;
                     continue;
                 }
-                p.remount.push((a.id.clone(), v.alias.clone()));
-            } else if rebooted && v.phase == Phase::Publishing && v.holds_staging {
-                p.restage.push((a.id.clone(), v.alias.clone()));
+                p.remount.insert((a.id.clone(), v.alias.clone()));
             }
             needs = true;
         }
@@ -86,19 +83,25 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     }
     let p = plan(&core.store.snapshot(), &table, rebooted);
     report.intact = p.intact;
-    // Gone mounts go back to their first node step, in one write, which
-    // also records this boot.
+    // One write at most: this boot, and records of an earlier release cut
+    // off before NodeStage (read as `mounting`) made users of the staging
+    // path they will stage. Nothing to write: no write.
     let r = core.store.update(|s| -> Result<(), StateError> {
-        for (alloc, alias) in p.remount.iter().chain(&p.restage) {
-            if let Some(v) = s.volume_mut(alloc, alias) {
-                v.phase = if v.holds_staging {
-                    Phase::Staging
-                } else {
-                    Phase::Publishing
-                };
+        let stale: Vec<(String, String)> = s
+            .alloc_volumes()
+            .filter(|(_, v)| {
+                v.phase == Phase::Mounting && v.staging_path.is_some() && !v.holds_staging
+            })
+            .map(|(a, v)| (a.id.clone(), v.alias.clone()))
+            .collect();
+        for (alloc, alias) in stale {
+            if let Some(v) = s.volume_mut(&alloc, &alias) {
+                v.holds_staging = true;
             }
         }
-        s.boot_id = core.store.boot_id().to_string();
+        if s.boot_id != core.store.boot_id() {
+            s.boot_id = core.store.boot_id().to_string();
+        }
         Ok(())
     });
     if let Err(e) = r {
@@ -107,7 +110,8 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     }
     report.remounted = p.remount.len();
     resume_releases(core, &p.to_release, &mut report);
-    finish_mounts(core, &p.to_mount, &mut report);
+    let remount = Arc::new(p.remount);
+    finish_mounts(core, &p.to_mount, &remount, &mut report);
     log::info!(
         "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} still running, {} release(s) resumed, {} error(s)",
         report.intact,
@@ -144,7 +148,12 @@ fn resume_releases(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport)
 /// mount that waits out a held claim (or a plugin that does not come back)
 /// goes on in the background, so it cannot keep the API, and with it the
 /// release that would free the claim, away.
-fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
+fn finish_mounts(
+    core: &Arc<Core>,
+    ids: &[String],
+    remount: &Arc<BTreeSet<(String, String)>>,
+    report: &mut RestoreReport,
+) {
     let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
     let mut started = 0;
     for id in ids {
@@ -158,9 +167,9 @@ fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
             }
         };
         let c = core.clone();
-        let (id2, tx) = (id.clone(), tx.clone());
+        let (id2, tx, remount) = (id.clone(), tx.clone(), remount.clone());
         let spawned = core.spawn(format!("restore-{id}"), move || {
-            let r = restore_alloc(&c, &id2, guard);
+            let r = restore_alloc(&c, &id2, &remount, guard);
             if let Err(e) = &r {
                 log::error!(
                     "restore of allocation {id2}: {}; mount it again to retry",
@@ -195,7 +204,12 @@ fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
     report.in_background = started - report.mounts_finished - failed;
 }
 
-fn restore_alloc(core: &Core, alloc_id: &str, _guard: MountGuard) -> Result<(), MountError> {
+fn restore_alloc(
+    core: &Core,
+    alloc_id: &str,
+    remount: &BTreeSet<(String, String)>,
+    _guard: MountGuard,
+) -> Result<(), MountError> {
     let aliases: Vec<String> = core.store.read(|s| {
         s.allocs
             .get(alloc_id)
@@ -204,7 +218,12 @@ fn restore_alloc(core: &Core, alloc_id: &str, _guard: MountGuard) -> Result<(), 
     });
     let deadline = Instant::now() + core.opts.mount_retry_deadline;
     for alias in aliases {
-        mount::mount_volume(core, alloc_id, &alias, deadline)?;
+        let redo = if remount.contains(&(alloc_id.to_string(), alias.clone())) {
+            Redo::NodeSide
+        } else {
+            Redo::Unfinished
+        };
+        mount::mount_volume(core, alloc_id, &alias, deadline, redo)?;
     }
     Ok(())
 }

@@ -20,6 +20,9 @@ pub struct VolumeStatus {
     pub read_only: bool,
     pub attachment: AttachmentMode,
     pub release: Option<ReleaseState>,
+    /// The call a running mount or release is at (`staging`,
+    /// `unpublishing`, …): finer than the durable phase.
+    pub step: Option<String>,
     /// What a running mount or restore is waiting on, if anything.
     pub message: String,
 }
@@ -47,6 +50,7 @@ fn released(core: &Core, alloc_id: &str, alias: String, st: ReleaseState) -> Vol
         read_only: v.read_only,
         attachment: v.attachment,
         release: Some(st),
+        step: None,
         message: String::new(),
     }
 }
@@ -68,6 +72,7 @@ pub fn alloc_status(core: &Core, alloc_id: &str) -> Option<AllocStatus> {
                     read_only: v.usage.read_only,
                     attachment: v.usage.attachment,
                     release: releases.remove(&v.alias),
+                    step: core.progress.step(alloc_id, &v.alias),
                     message: core.progress.message(alloc_id, &v.alias),
                 })
                 .collect();

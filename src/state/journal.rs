@@ -356,13 +356,13 @@ mod tests {
         let mut old = StateFile::new("b1");
         old.allocs
             .insert("a1".into(), alloc("a1", Phase::Published));
-        old.allocs.insert("a2".into(), alloc("a2", Phase::Staging));
+        old.allocs.insert("a2".into(), alloc("a2", Phase::Claiming));
         old.allocs
             .insert("a3".into(), alloc("a3", Phase::Published));
         let mut new = old.clone();
         new.boot_id = "b2".into();
         new.allocs.remove("a1");
-        new.volume_mut("a2", "data").expect("a2").phase = Phase::Publishing;
+        new.volume_mut("a2", "data").expect("a2").phase = Phase::Mounting;
         new.allocs.insert("a4".into(), alloc("a4", Phase::Claiming));
         // The same value in a new Arc is not a change.
         new.allocs
@@ -378,7 +378,7 @@ mod tests {
             d.alloc_changes["a2"].volumes["data"]
                 .as_ref()
                 .map(|v| v.phase),
-            Some(Phase::Publishing)
+            Some(Phase::Mounting)
         );
         let line = encode(&d).expect("encode");
         let mut replayed = old.clone();
@@ -458,7 +458,7 @@ mod tests {
             s.allocs.insert("a1".into(), alloc("a1", Phase::Claiming));
             s.allocs.insert("a2".into(), alloc("a2", Phase::Claiming));
         });
-        step(&|s| s.volume_mut("a1", "data").expect("a1").phase = Phase::Staging);
+        step(&|s| s.volume_mut("a1", "data").expect("a1").phase = Phase::Claiming);
         step(&|s| s.volume_mut("a2", "data").expect("a2").phase = Phase::Published);
         step(&|s| {
             s.allocs.remove("a1");

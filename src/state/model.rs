@@ -57,49 +57,58 @@ pub struct Claim {
 
 // ---- Allocation records ------------------------------------------------------
 
-/// Where one allocation volume stands. `*ing` phases are in flight: the
-/// named CSI call may or may not have happened.
+/// Where one allocation volume stands, durably. Two writes per mount
+/// (the intent, `mounting`; the result, `published`) and two per release
+/// (`releasing`; the record dropped with the claim): every CSI call is
+/// idempotent, so recovery redoes the whole way up from `mounting` and the
+/// whole way down from `releasing`. Which call a running operation is at
+/// lives in memory only (`alloc status` shows it).
+///
+/// Releases before 0.2 recorded a phase per call; those names are read as
+/// the phase they imply (`controller-publishing`, `staging`, `publishing`:
+/// `mounting`; `unpublishing`, `unstaging`, `controller-unpublishing`,
+/// `releasing-claim`: `releasing`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Phase {
-    /// The claim is being taken.
+    /// Recorded; the claim is not taken yet (the plugin was not ready, or
+    /// another allocation holds the volume). Nothing was sent.
     Claiming,
-    ControllerPublishing,
-    Staging,
-    Publishing,
-    /// Mounted at the target path.
+    /// The intent: the claim is held and the plan recorded (paths, external
+    /// node ID, holds-flags); ControllerPublish, NodeStage and NodePublish
+    /// may or may not have happened.
+    #[serde(
+        alias = "controller-publishing",
+        alias = "staging",
+        alias = "publishing"
+    )]
+    Mounting,
+    /// Mounted at the target path; the publish context is recorded.
     Published,
-    Unpublishing,
-    Unstaging,
-    ControllerUnpublishing,
-    /// Node and controller are done; the claim is being freed.
-    ReleasingClaim,
+    /// Going down: NodeUnpublish, NodeUnstage and ControllerUnpublish may or
+    /// may not have happened; the claim is still held.
+    #[serde(
+        alias = "unpublishing",
+        alias = "unstaging",
+        alias = "controller-unpublishing",
+        alias = "releasing-claim"
+    )]
+    Releasing,
 }
 
 impl Phase {
     pub fn name(self) -> &'static str {
         match self {
             Phase::Claiming => "claiming",
-            Phase::ControllerPublishing => "controller-publishing",
-            Phase::Staging => "staging",
-            Phase::Publishing => "publishing",
+            Phase::Mounting => "mounting",
             Phase::Published => "published",
-            Phase::Unpublishing => "unpublishing",
-            Phase::Unstaging => "unstaging",
-            Phase::ControllerUnpublishing => "controller-unpublishing",
-            Phase::ReleasingClaim => "releasing-claim",
+            Phase::Releasing => "releasing",
         }
     }
 
     /// Phases of the way down.
     pub fn is_teardown(self) -> bool {
-        matches!(
-            self,
-            Phase::Unpublishing
-                | Phase::Unstaging
-                | Phase::ControllerUnpublishing
-                | Phase::ReleasingClaim
-        )
+        self == Phase::Releasing
     }
 }
 

@@ -31,9 +31,10 @@ impl StateFile {
     }
 
     /// The publish context of an attachment of `volume_id` to
-    /// `external_node_id` that another record already established (its
-    /// ControllerPublish answered), if any: a second user shares it
-    /// instead of calling again.
+    /// `external_node_id` that another record established and still uses
+    /// (published, and its target path is a mount point now), if any: a
+    /// second user shares it instead of calling again. After a reboot no
+    /// target is mounted, so nothing counts as established until redone.
     pub fn established_attachment(
         &self,
         volume_id: &str,
@@ -42,9 +43,7 @@ impl StateFile {
     ) -> Option<BTreeMap<String, String>> {
         self.attachment_users(volume_id, except)
             .into_iter()
-            .find(|o| {
-                attachment_established(o.phase) && o.external_node_id.as_deref() == external_node_id
-            })
+            .find(|o| o.external_node_id.as_deref() == external_node_id && in_use(o))
             .map(|o| o.publish_context.clone())
     }
 
@@ -58,36 +57,22 @@ impl StateFile {
             .and_then(|(_, v)| v.staging_path.clone())
     }
 
-    /// Whether another record already staged `path` (its NodeStage
-    /// answered): a second user shares it instead of staging again.
+    /// Whether another record staged `path` and still uses it (published,
+    /// and its target is a mount point now): a second user shares the
+    /// staging instead of staging again.
     pub fn staging_established(&self, path: &Path, except: RecordKey<'_>) -> bool {
         self.alloc_volumes().any(|(a, o)| {
             (a.id.as_str(), o.alias.as_str()) != except
                 && o.holds_staging
                 && o.staging_path.as_deref() == Some(path)
-                && staging_established(o.phase)
+                && in_use(o)
         })
     }
 }
 
-/// Phases in which a record's controller attachment is known done.
-fn attachment_established(p: Phase) -> bool {
-    matches!(
-        p,
-        Phase::Staging
-            | Phase::Publishing
-            | Phase::Published
-            | Phase::Unpublishing
-            | Phase::Unstaging
-    )
-}
-
-/// Phases in which a record's staging is known done.
-fn staging_established(p: Phase) -> bool {
-    matches!(
-        p,
-        Phase::Publishing | Phase::Published | Phase::Unpublishing
-    )
+/// A record whose way up is known done and whose mount is there now.
+fn in_use(v: &AllocVolume) -> bool {
+    v.phase == Phase::Published && crate::mounts::is_mount_point(&v.target_path).unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -141,8 +126,8 @@ mod tests {
         let staging = Path::new("/m/staging/v");
         let s = state(vec![
             ("a1", rec("d", Phase::Published, true, true)),
-            ("a2", rec("d", Phase::Staging, true, true)),
-            ("a3", rec("d", Phase::Publishing, false, false)),
+            ("a2", rec("d", Phase::Mounting, true, true)),
+            ("a3", rec("d", Phase::Mounting, false, false)),
         ]);
         assert_eq!(s.staging_users(staging, ("a1", "d")), 1);
         assert_eq!(s.staging_users(staging, ("a9", "d")), 2);
@@ -151,22 +136,21 @@ mod tests {
     }
 
     #[test]
-    fn only_answered_calls_are_shared() {
+    fn only_a_published_record_that_is_mounted_now_is_shared() {
         let staging = Path::new("/m/staging/v");
-        // a2 set its flags before its calls; neither answered yet.
-        let s = state(vec![(
-            "a2",
-            rec("d", Phase::ControllerPublishing, true, true),
-        )]);
+        // a2 recorded its intent; its calls may not have answered.
+        let s = state(vec![("a2", rec("d", Phase::Mounting, true, true))]);
         assert!(!s.staging_established(staging, ("a1", "d")));
         assert_eq!(s.established_attachment("v", Some("n1"), ("a1", "d")), None);
-        let s = state(vec![("a2", rec("d", Phase::Publishing, true, true))]);
-        assert!(s.staging_established(staging, ("a1", "d")));
-        let ctx = s
-            .established_attachment("v", Some("n1"), ("a1", "d"))
-            .expect("shared");
-        assert_eq!(ctx["k"], "d");
-        // Another node's attachment is not this node's.
-        assert_eq!(s.established_attachment("v", Some("n2"), ("a1", "d")), None);
+        // Published, but its target is not mounted (after a reboot).
+        let s = state(vec![("a2", rec("d", Phase::Published, true, true))]);
+        assert!(!s.staging_established(staging, ("a1", "d")));
+        assert_eq!(s.established_attachment("v", Some("n1"), ("a1", "d")), None);
+        // Either way it holds the staging path new users share.
+        assert_eq!(
+            s.staging_path_of("v", ("a1", "d")),
+            Some(PathBuf::from("/m/staging/v"))
+        );
+        assert_eq!(s.staging_path_of("w", ("a1", "d")), None);
     }
 }

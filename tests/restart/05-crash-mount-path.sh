@@ -37,7 +37,7 @@ for point in "${points[@]}"; do
 	ext=ext-$vol
 	setup_agent "$T/p$i" "$PLUGINS"
 	target=$MOUNT_ROOT/per-alloc/a1/$vol/$USAGE_DIR
-	staging=$MOUNT_ROOT/staging/$PLUGIN_ID/$vol/$USAGE_DIR
+	staging=$MOUNT_ROOT/staging/$PLUGIN_ID/$vol
 	log "[$point] mount with the agent set to die there"
 	restart_agent CLAIMD_FAILPOINT="$point"
 	register_volumes "$(volume_json "$vol")"

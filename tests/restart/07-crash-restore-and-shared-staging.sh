@@ -70,7 +70,7 @@ for point in before-node-unstage after-node-unpublish; do
 	vol=shared$i
 	ext=ext-$vol
 	setup_agent "$T/shared$i" "$PLUGINS"
-	staging=$MOUNT_ROOT/staging/$PLUGIN_ID/$vol/$SHARED_USAGE_DIR
+	staging=$MOUNT_ROOT/staging/$PLUGIN_ID/$vol
 	target1=$MOUNT_ROOT/per-alloc/a1/$vol/$SHARED_USAGE_DIR
 	target2=$MOUNT_ROOT/per-alloc/a2/$vol/$SHARED_USAGE_DIR
 	log "[shared, $point] mount two allocations on one volume"

@@ -2,7 +2,7 @@
 # SIGTERM while a release is stuck on a hung plugin. A fault makes
 # NodeUnpublishVolume hang (the plugin never answers). Once the release's
 # call hangs, SIGTERM must stop the agent within csi_call_timeout plus about
-# a second, status 0, leaving the record in `unpublishing` and the target
+# a second, status 0, leaving the record in `releasing` and the target
 # mounted. With the fault cleared and the agent started again, the release
 # resumes by itself and completes: NodeUnpublish, NodeUnstage,
 # ControllerUnpublish, nothing left.
@@ -24,7 +24,7 @@ wait_for 20 "the plugin to hang in NodeUnpublishVolume" \
 
 stop_agent $((CSI_CALL_TIMEOUT_S * 1000 + 1500))
 log "the agent stopped ${AGENT_STOP_MS} ms after SIGTERM (csi_call_timeout ${CSI_CALL_TIMEOUT_S}s)"
-assert_eq "phase recorded when the agent stopped" "a1 data unpublishing" "$(state_phases)"
+assert_eq "phase recorded when the agent stopped" "a1 data releasing" "$(state_phases)"
 assert_eq "releasing flag recorded" true "$(state_jq '.allocs.a1.releasing')"
 assert_eq "mounts on the target after the stop" 1 "$(mount_count "$target")"
 

@@ -41,8 +41,8 @@ cli_ok alloc status a1 --json
 assert_eq "volumes in alloc status that are not released" "d$STUCK unpublishing retrying" \
 	"$(jq -r '.allocs[0].volumes[] | select(.release_state != "released")
 	          | "\(.alias) \(.phase) \(.release_state)"' <<<"$CLI_OUT")"
-assert_eq "released volumes in alloc status that still have a phase" "" \
-	"$(jq -r '.allocs[0].volumes[] | select(.release_state == "released" and .phase != "")
+assert_eq "released volumes in alloc status whose phase is not released" "" \
+	"$(jq -r '.allocs[0].volumes[] | select(.release_state == "released" and .phase != "released")
 	          | .alias' <<<"$CLI_OUT")"
 assert_contains "release error in alloc status" \
 	"$(jq -r ".allocs[0].volumes[] | select(.alias == \"d$STUCK\") | .release_error" <<<"$CLI_OUT")" \
@@ -50,7 +50,7 @@ assert_contains "release error in alloc status" \
 assert_eq "mounts while v$STUCK is stuck" "$(printf '%s\n' "$stuck_staging" "$stuck_target" | sort)" \
 	"$(mounts_left)"
 assert_eq "claims while v$STUCK is stuck" "v$STUCK" "$(state_jq -r '.claims[].volume_id')"
-assert_eq "records while v$STUCK is stuck" "a1 d$STUCK unpublishing" "$(state_phases)"
+assert_eq "records while v$STUCK is stuck" "a1 d$STUCK releasing" "$(state_phases)"
 for i in $(seq 0 $((N - 1))); do
 	[ "$i" = "$STUCK" ] && continue
 	assert_eq "calls for v$i" "NodeUnpublishVolume OK

@@ -1,0 +1,273 @@
+//! The calls down of one volume, from `releasing` to its record dropped:
+//! NodeUnpublish, NodeUnstage when no other record on this node holds the
+//! staging path, ControllerUnpublish (with the external node ID recorded at
+//! attach time) only after the node side succeeded in this run and when no
+//! other record holds the attachment, then the claim freed and the record
+//! dropped in one transaction. Which of them answered lives here, in
+//! memory: a crash redoes them all (NotFound counts as done).
+
+use std::path::Path;
+use std::time::Instant;
+
+use super::core::{Core, Step, StepResult};
+use super::error::StepError;
+use super::progress::SentUp;
+use crate::claims::ClaimChange;
+use crate::failpoints;
+use crate::plugins::PluginKind;
+use crate::state::{AllocVolume, Phase};
+use crate::volumes::mounted::{ensure_unmounted, StillMounted};
+use crate::volumes::requests;
+
+/// A call of the way down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    NodeUnpublish,
+    NodeUnstage,
+    ControllerUnpublish,
+    FreeClaim,
+}
+
+/// Where one volume's way down stands in this run.
+#[derive(Debug)]
+pub struct Down {
+    left: Vec<Call>,
+}
+
+impl Default for Down {
+    fn default() -> Self {
+        Down::new()
+    }
+}
+
+impl Down {
+    /// The way down of a volume whose calls up are known (its intent was
+    /// recorded in this run): only what was sent is undone, in reverse.
+    /// Unknown (an intent from before a restart): the whole way.
+    pub fn after(sent: Option<SentUp>) -> Down {
+        let mut down = Down::new();
+        if let Some(s) = sent {
+            down.left.retain(|c| match c {
+                Call::NodeUnpublish => s.node_publish,
+                Call::NodeUnstage => s.node_stage,
+                Call::ControllerUnpublish => s.controller_publish,
+                Call::FreeClaim => true,
+            });
+        }
+        down
+    }
+
+    pub fn new() -> Down {
+        Down {
+            left: vec![
+                Call::NodeUnpublish,
+                Call::NodeUnstage,
+                Call::ControllerUnpublish,
+                Call::FreeClaim,
+            ],
+        }
+    }
+
+    /// What `alloc status` shows while the next call is pending.
+    pub fn step_name(&self) -> &'static str {
+        match self.left.first() {
+            Some(Call::NodeUnpublish) | None => "unpublishing",
+            Some(Call::NodeUnstage) => "unstaging",
+            Some(Call::ControllerUnpublish) => "controller-unpublishing",
+            Some(Call::FreeClaim) => "releasing-claim",
+        }
+    }
+
+    fn done(&mut self) {
+        if !self.left.is_empty() {
+            self.left.remove(0);
+        }
+    }
+
+    /// Start over from `call` (a late mount appeared after a timeout).
+    fn redo_from(&mut self, call: Call) {
+        let all = Down::new().left;
+        let i = all.iter().position(|c| *c == call).unwrap_or(0);
+        self.left = all[i..].to_vec();
+    }
+}
+
+/// The next call down, under the volume's operation lock.
+pub fn step(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    down: &mut Down,
+    deadline: Instant,
+) -> StepResult {
+    let Some(rec) = core.record(alloc_id, alias) else {
+        return Ok(Step::Done);
+    };
+    let _lock = core.lock_volume(&rec.volume_id)?;
+    let Some(rec) = core.record(alloc_id, alias) else {
+        return Ok(Step::Done);
+    };
+    match rec.phase {
+        // No call was sent; the claim may or may not be held.
+        Phase::Claiming => return core.free_and_drop(alloc_id, alias, &rec.volume_id),
+        // Not marked by the release's first write (a mount step held the
+        // lock): mark it now. The node side does not wait for the claim
+        // store: a claim it cannot mark now stays held until it is freed.
+        Phase::Mounting | Phase::Published => {
+            let mark = ClaimChange::MarkReleasing {
+                volume_id: rec.volume_id.clone(),
+                alloc_id: alloc_id.to_string(),
+            };
+            let releasing = |v: &mut AllocVolume| v.phase = Phase::Releasing;
+            match core.advance_with_claim(alloc_id, alias, mark, releasing) {
+                Ok(()) => {}
+                Err(StepError::Claim(e)) => {
+                    log::warn!(
+                        "release of {alloc_id}/{alias}: the claim cannot be marked releasing ({e}); unmounting anyway"
+                    );
+                    core.advance(alloc_id, alias, releasing)?;
+                }
+                Err(e) => return Err(e),
+            }
+            failpoints::hit("release-after-mark");
+            return Ok(Step::Next);
+        }
+        Phase::Releasing => {}
+    }
+    let me = (alloc_id, alias);
+    let Some(call) = down.left.first().copied() else {
+        return Ok(Step::Done);
+    };
+    match call {
+        Call::NodeUnpublish => {
+            let node = core
+                .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
+                .map_err(StepError::Plugin)?;
+            failpoints::hit("before-node-unpublish");
+            match node
+                .client
+                .node_unpublish_volume(&requests::node_unpublish(rec.volume_ref()))
+            {
+                Err(e) if !e.is_ignorable() => return Err(e.into()),
+                _ => {}
+            }
+            failpoints::hit("after-node-unpublish");
+            ensure_unmounted(&rec.target_path, "NodeUnpublishVolume")?;
+            // The plugin removes the target; the agent removes the parents
+            // it created, when empty.
+            let _ = std::fs::remove_dir(&rec.target_path);
+            core.paths.remove_empty_parents(&rec.target_path);
+        }
+        Call::NodeUnstage => {
+            let staging = rec.staging_path.clone().unwrap_or_default();
+            let others = core.store.read(|s| s.staging_users(&staging, me));
+            if rec.holds_staging && others == 0 {
+                let node = core
+                    .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
+                    .map_err(StepError::Plugin)?;
+                failpoints::hit("before-node-unstage");
+                match node
+                    .client
+                    .node_unstage_volume(&requests::node_unstage(rec.volume_ref(), &staging))
+                {
+                    Err(e) if !e.is_ignorable() => return Err(e.into()),
+                    _ => {}
+                }
+                failpoints::hit("after-node-unstage");
+                ensure_unmounted(&staging, "NodeUnstageVolume")?;
+                let _ = std::fs::remove_dir(&staging);
+                core.paths.remove_empty_parents(&staging);
+            }
+        }
+        Call::ControllerUnpublish => {
+            if let Some(redo) = settle(core, alloc_id, alias, &rec)? {
+                down.redo_from(redo);
+                return Ok(Step::Next);
+            }
+            let others = core
+                .store
+                .read(|s| s.attachment_users(&rec.volume_id, me).len());
+            if rec.holds_attachment && others == 0 {
+                let c = core
+                    .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
+                    .map_err(StepError::Plugin)?;
+                let spec = core.spec(&rec.volume_id);
+                let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
+                failpoints::hit("before-controller-unpublish");
+                match c.client.controller_unpublish_volume(&req) {
+                    Err(e) if !e.is_ignorable() => return Err(e.into()),
+                    _ => {}
+                }
+                failpoints::hit("after-controller-unpublish");
+            }
+        }
+        Call::FreeClaim => {
+            if let Some(redo) = settle(core, alloc_id, alias, &rec)? {
+                down.redo_from(redo);
+                return Ok(Step::Next);
+            }
+            return core.free_and_drop(alloc_id, alias, &rec.volume_id);
+        }
+    }
+    down.done();
+    Ok(Step::Next)
+}
+
+/// Before the detach and the freeing of the claim: when a call of this
+/// volume timed out (the plugin may still be carrying it out), wait until
+/// it had time to finish, then make sure none of the volume's paths became
+/// a mount point meanwhile. One that did is undone again: Some(the call to
+/// redo from); None: go on.
+fn settle(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    rec: &AllocVolume,
+) -> Result<Option<Call>, StepError> {
+    let Some(since) = core.progress.uncertain_since(alloc_id, alias) else {
+        return Ok(None);
+    };
+    let until = since + core.opts.uncertain_settle;
+    let now = Instant::now();
+    if now < until {
+        log::info!(
+            "release of {alloc_id}/{alias}: a call timed out {:?} ago; waiting {:?} for the plugin to finish it before the volume is detached or its claim freed",
+            now - since,
+            until - now
+        );
+        // Under the volume's operation lock: no other operation of this
+        // volume starts meanwhile.
+        if !core.shutdown.sleep(until - now) {
+            return Err(StepError::Stopping);
+        }
+    }
+    let mounted = |p: &Path| {
+        crate::mounts::is_mount_point(p).map_err(|source| {
+            StepError::StillMounted(StillMounted::Unknown {
+                path: p.to_path_buf(),
+                source,
+            })
+        })
+    };
+    if mounted(&rec.target_path)? {
+        log::warn!(
+            "release of {alloc_id}/{alias}: {} became a mount point after a timed-out call; unpublishing again",
+            rec.target_path.display()
+        );
+        return Ok(Some(Call::NodeUnpublish));
+    }
+    if let Some(staging) = &rec.staging_path {
+        let others = core
+            .store
+            .read(|s| s.staging_users(staging, (alloc_id, alias)));
+        if others == 0 && mounted(staging)? {
+            log::warn!(
+                "release of {alloc_id}/{alias}: {} became a mount point after a timed-out call; unstaging again",
+                staging.display()
+            );
+            return Ok(Some(Call::NodeUnstage));
+        }
+    }
+    core.progress.clear_uncertain(alloc_id, alias);
+    Ok(None)
+}

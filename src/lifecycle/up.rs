@@ -1,0 +1,238 @@
+//! The calls up of one volume, from its intent (`mounting`) to its result
+//! (`published`): ControllerPublish (when the plan attaches), NodeStage
+//! (when it stages), NodePublish, then one durable write. Which of them
+//! answered lives here, in memory: a crash redoes them all (they are
+//! idempotent), and a retry in the same run redoes only the one that
+//! failed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::core::{attach_change, Core, Step, StepResult};
+use super::error::StepError;
+use crate::failpoints;
+use crate::plugins::PluginSnapshot;
+use crate::state::{AllocVolume, Phase};
+use crate::volumes::requests;
+
+/// A call of the way up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    ControllerPublish,
+    NodeStage,
+    NodePublish,
+}
+
+impl Call {
+    /// What `alloc status` shows while this call is next.
+    pub fn step_name(self) -> &'static str {
+        match self {
+            Call::ControllerPublish => "controller-publishing",
+            Call::NodeStage => "staging",
+            Call::NodePublish => "publishing",
+        }
+    }
+}
+
+/// Where one volume's way up stands in this run.
+#[derive(Debug)]
+pub struct Up {
+    /// The calls still to make, in order.
+    left: Vec<Call>,
+    /// The publish context ControllerPublish answered (or the shared
+    /// attachment's), for NodeStage, NodePublish and the result.
+    publish_context: Option<BTreeMap<String, String>>,
+    /// A published volume whose mounts are gone: only the node side is
+    /// redone, and the record is published already.
+    node_side_only: bool,
+}
+
+impl Up {
+    /// The whole way up of a record in `mounting`.
+    pub fn all(rec: &AllocVolume) -> Up {
+        let mut left = Vec::new();
+        if rec.holds_attachment {
+            left.push(Call::ControllerPublish);
+        }
+        if rec.staging_path.is_some() {
+            left.push(Call::NodeStage);
+        }
+        left.push(Call::NodePublish);
+        Up {
+            left,
+            publish_context: None,
+            node_side_only: false,
+        }
+    }
+
+    /// NodeStage and NodePublish again for a published record whose
+    /// mounts are gone (a reboot, or an administrator's umount), under the
+    /// attachment and publish context it recorded.
+    pub fn node_side(rec: &AllocVolume) -> Up {
+        let mut up = Up::all(rec);
+        up.left.retain(|c| *c != Call::ControllerPublish);
+        up.publish_context = Some(rec.publish_context.clone());
+        up.node_side_only = true;
+        up
+    }
+
+    pub fn next(&self) -> Option<Call> {
+        self.left.first().copied()
+    }
+
+    fn done(&mut self) {
+        if !self.left.is_empty() {
+            self.left.remove(0);
+        }
+    }
+}
+
+/// The next call up, under the volume's operation lock. `Done` once the
+/// result is durable.
+pub fn step(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    up: &mut Up,
+    node: &PluginSnapshot,
+    controller: Option<&PluginSnapshot>,
+) -> StepResult {
+    let gone = |why: String| StepError::Gone { why };
+    let rec = core
+        .record(alloc_id, alias)
+        .ok_or_else(|| gone(format!("no longer records volume {alias}")))?;
+    let _lock = core.lock_volume(&rec.volume_id)?;
+    // Re-read under the lock: a release may have started meanwhile.
+    let (rec, releasing) = core
+        .store
+        .read(|s| {
+            let a = s.allocs.get(alloc_id)?;
+            Some((a.volumes.get(alias)?.as_ref().clone(), a.releasing))
+        })
+        .ok_or_else(|| gone(format!("no longer records volume {alias}")))?;
+    let expected = if up.node_side_only {
+        Phase::Published
+    } else {
+        Phase::Mounting
+    };
+    if releasing || rec.phase != expected {
+        return Err(match rec.phase {
+            Phase::Claiming => gone(format!("volume {alias} is not claimed yet")),
+            Phase::Published if !up.node_side_only => return Ok(Step::Done),
+            _ => gone("is being released".to_string()),
+        });
+    }
+    let spec = core
+        .spec(&rec.volume_id)
+        .ok_or_else(|| StepError::UnknownVolume {
+            volume_id: rec.volume_id.clone(),
+        })?;
+    let me = (alloc_id, alias);
+    // The record as the calls see it: with the publish context of this run.
+    let mut sent = rec.clone();
+    if let Some(ctx) = &up.publish_context {
+        sent.publish_context = ctx.clone();
+    }
+    let Some(call) = up.next() else {
+        return Ok(Step::Done);
+    };
+    match call {
+        Call::ControllerPublish => {
+            // Attached to this node for another allocation already?
+            let shared = core.store.read(|s| {
+                s.established_attachment(&rec.volume_id, rec.external_node_id.as_deref(), me)
+            });
+            let ctx = match shared {
+                Some(ctx) => ctx,
+                None => {
+                    let c = controller.ok_or_else(|| StepError::NoController {
+                        plugin_id: rec.plugin_id.clone(),
+                    })?;
+                    let readonly = c
+                        .controller_capabilities
+                        .as_ref()
+                        .is_some_and(|caps| caps.publish_readonly);
+                    let req = requests::controller_publish(sent.volume_ref(), &spec, readonly);
+                    core.progress
+                        .sending(alloc_id, alias, |s| s.controller_publish = true);
+                    failpoints::hit("before-controller-publish");
+                    let ctx = c.client.controller_publish_volume(&req)?;
+                    failpoints::hit("after-controller-publish");
+                    ctx
+                }
+            };
+            up.publish_context = Some(ctx);
+        }
+        Call::NodeStage => {
+            let staging = rec.staging_path.clone().unwrap_or_default();
+            if !core.store.read(|s| s.staging_established(&staging, me)) {
+                create_dir(&staging)?;
+                let req = requests::node_stage(sent.volume_ref(), &spec);
+                core.progress
+                    .sending(alloc_id, alias, |s| s.node_stage = true);
+                failpoints::hit("before-node-stage");
+                node.client.node_stage_volume(&req)?;
+                failpoints::hit("after-node-stage");
+            }
+        }
+        Call::NodePublish => {
+            if let Some(parent) = rec.target_path.parent() {
+                create_dir(parent)?;
+            }
+            let req = requests::node_publish(sent.volume_ref(), &spec);
+            core.progress
+                .sending(alloc_id, alias, |s| s.node_publish = true);
+            failpoints::hit("before-node-publish");
+            node.client.node_publish_volume(&req)?;
+            failpoints::hit("after-node-publish");
+            if !up.node_side_only {
+                record_published(core, alloc_id, alias, &rec, up)?;
+                core.progress.forget_sent(alloc_id, alias);
+            }
+            up.done();
+            log::info!(
+                "allocation {alloc_id}: volume {} mounted at {}",
+                rec.volume_id,
+                rec.target_path.display()
+            );
+            return Ok(Step::Done);
+        }
+    }
+    up.done();
+    Ok(Step::Next)
+}
+
+/// The result, in one durable write: `published` with the publish context,
+/// and the attachment recorded with the claim.
+fn record_published(
+    core: &Core,
+    alloc_id: &str,
+    alias: &str,
+    rec: &AllocVolume,
+    up: &Up,
+) -> Result<(), StepError> {
+    let ctx = up.publish_context.clone().unwrap_or_default();
+    let published = |v: &mut AllocVolume| {
+        v.publish_context = ctx.clone();
+        v.phase = Phase::Published;
+    };
+    if rec.holds_attachment {
+        core.advance_with_claim(
+            alloc_id,
+            alias,
+            attach_change(alloc_id, rec, &ctx),
+            published,
+        )?;
+    } else {
+        core.advance(alloc_id, alias, published)?;
+    }
+    failpoints::hit("mount-after-published");
+    Ok(())
+}
+
+fn create_dir(path: &Path) -> Result<(), StepError> {
+    std::fs::create_dir_all(path).map_err(|source| StepError::CreateDir {
+        path: path.to_path_buf(),
+        source,
+    })
+}
