@@ -87,6 +87,8 @@ cat >"$root/etc/vol.json" <<'EOF'
 {"id": "db", "plugin_id": "hp", "external_id": "vol-db",
  "access_modes": ["single-node-writer"], "attachment_modes": ["file-system"]}
 EOF
+# The volume exists in the plugin's storage (it refuses unknown volume IDs).
+mkdir -p "$root/data/plugin/volumes/vol-db"
 chroot "$root" /claimd-test-plugin --endpoint /run/plugin.sock --root /data/plugin \
   --call-log /data/calls.jsonl 2>"$work/chroot-plugin.log" &
 pids+=($!)
@@ -168,6 +170,7 @@ start_agent() {
 cli() { "$t/usr/bin/claimd" --socket "$t/run/claimd/claimd.sock" "$@"; }
 start_agent
 for i in 1 2 3; do
+  mkdir -p "$p/root/volumes/ext-v$i"
   printf '{"id":"v%s","plugin_id":"hp","external_id":"ext-v%s","access_modes":["single-node-writer"],"attachment_modes":["file-system"]}' "$i" "$i" |
     cli volume register - >/dev/null
   cli alloc mount "a$i" --volume "data=v$i" >/dev/null

@@ -71,7 +71,10 @@ step "the agent: claimd agent --dev --config $demo/config.json"
 start_agent
 "$claimd" plugin list
 
-step "register a volume"
+step "create a volume in the plugin's storage, and register it"
+# The test plugin, like a real one, knows only the volumes that exist in
+# its storage (a directory under its root).
+mkdir -p "$demo/plugin/root/volumes/vol-db"
 cat >"$demo/volume.json" <<'EOF'
 {"id": "db", "plugin_id": "hostpath", "external_id": "vol-db",
  "access_modes": ["single-node-writer"], "attachment_modes": ["file-system"]}

@@ -42,6 +42,14 @@ impl World {
         self.agent.config.mount_root.clone()
     }
 
+    /// Creates the volumes (an object or an array) in the test plugin's
+    /// storage, which refuses unknown volume IDs, then registers them with
+    /// the agent (`volume register -`); must succeed.
+    fn register(&self, volumes: &Value) -> CliOutput {
+        create_volumes(&self.plugin, volumes);
+        self.agent.register(volumes)
+    }
+
     /// Waits until `plugin list` shows the test plugin ready.
     fn wait_plugin_ready(&self) {
         wait_until(Duration::from_secs(20), "the plugin to be ready", || {
@@ -76,6 +84,17 @@ fn target_path(mount_root: &Path, alloc: &str, volume: &str, mode: &str) -> Path
         .join(format!("rw-file-system-{mode}"))
 }
 
+/// Creates each volume's `external_id` in the plugin's storage.
+fn create_volumes(plugin: &TestPlugin, volumes: &Value) {
+    let list = match volumes {
+        Value::Array(list) => list.clone(),
+        one => vec![one.clone()],
+    };
+    for v in list {
+        plugin.add_volume(v["external_id"].as_str().expect("external_id is a string"));
+    }
+}
+
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -87,6 +106,7 @@ fn full_cycle_register_mount_status_release() {
     let w = World::new(|_| {});
     let agent = &w.agent;
     let mount_root = w.mount_root();
+    w.plugin.add_volume("ext-db");
 
     // Register from a file.
     let vol_file = w.dir.path().join("db.json");
@@ -259,7 +279,7 @@ fn two_hundred_allocations_mount_and_release_concurrently() {
         "ext-shared",
         &["single-node-multi-writer"],
     ));
-    agent.register(&Value::Array(vols));
+    w.register(&Value::Array(vols));
     let volume_of = |i: usize| {
         if i < OWN {
             format!("v{i:03}")
@@ -434,7 +454,7 @@ fn mount_waits_for_a_plugin_that_starts_late() {
             "the mount returned before the plugin started"
         );
         let plugin_started = Instant::now();
-        let plugin = TestPlugin::builder(dir.path()).start();
+        let plugin = TestPlugin::builder(dir.path()).volumes(&["ext-db"]).start();
         let (out, returned) = mounting.join().expect("mount thread");
         (out, returned, plugin_started, plugin)
     });
@@ -471,8 +491,7 @@ fn mount_waits_for_a_plugin_that_starts_late() {
 fn sigterm_during_stuck_release(fault: Value) {
     const CALL_TIMEOUT_S: u64 = 2;
     let mut w = World::new(|c| c.csi_call_timeout = format!("{CALL_TIMEOUT_S}s"));
-    w.agent
-        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     let host = w.mount("a1", "db");
     assert!(is_mount_point(&host));
     let hangs = fault["action"] == "hang";
@@ -570,7 +589,7 @@ fn sigterm_during_failing_release_exits_in_time_and_resumes() {
 /// directory (TMPDIR), so the test directory's cleanup covers it.
 fn dev_world() -> (World, PathBuf) {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).start();
+    let plugin = TestPlugin::builder(dir.path()).volumes(&["ext-db"]).start();
     let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
     config.csi_call_timeout = "2s".into();
     let tmp = dir.path().to_str().expect("utf-8").to_string();
@@ -634,7 +653,7 @@ fn dev_mode_releases_everything_on_stop() {
 fn bad_input_is_refused_with_a_message_and_changes_nothing() {
     let w = World::new(|_| {});
     let agent = &w.agent;
-    agent.register(&json!([
+    w.register(&json!([
         volume_json("db", "ext-db", &["single-node-writer"]),
         volume_json("ro-only", "ext-ro", &["multi-node-reader-only"]),
     ]));
@@ -823,8 +842,7 @@ fn api_socket_is_private() {
 #[test]
 fn second_agent_is_refused_and_stale_socket_is_replaced() {
     let mut w = World::new(|_| {});
-    w.agent
-        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     let host = w.mount("a1", "db");
     let before = w.agent.state_bytes();
 
@@ -892,7 +910,7 @@ fn secrets_never_leave_the_state_file() {
     let mut vol = volume_json("db", "ext-db", &["single-node-writer"]);
     vol["secrets"] = json!({"password": SECRET});
     vol["context"] = json!({"tier": "gold"});
-    let mut outputs = vec![agent.register(&vol)];
+    let mut outputs = vec![w.register(&vol)];
 
     let list = agent.cli(&["volume", "list", "--json"]).ok();
     let j = list.json();
@@ -978,8 +996,7 @@ fn secrets_never_leave_the_state_file() {
 #[test]
 fn mount_progress_does_not_blame_a_ready_plugin() {
     let w = World::new(|_| {});
-    w.agent
-        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     w.wait_plugin_ready();
     w.plugin.faults().set(json!([
         {"method": "NodeStageVolume", "action": "delay", "ms": 4000}
@@ -1031,7 +1048,7 @@ fn mount_progress_does_not_blame_a_ready_plugin() {
 fn expired_client_deadline_leaves_a_complete_mount_not_a_half_claimed_one() {
     let w = World::new(|_| {});
     let agent = &w.agent;
-    agent.register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     w.wait_plugin_ready();
     // NodePublish takes 3 s; the client waits 1 s.
     w.plugin.faults().set(json!([
@@ -1159,7 +1176,7 @@ fn block_volume_cycle() {
     let agent = &w.agent;
     let mut vol = volume_json("raw", "ext-raw", &["single-node-writer"]);
     vol["attachment_modes"] = json!(["block-device"]);
-    agent.register(&vol);
+    w.register(&vol);
     w.wait_plugin_ready();
     let out = agent
         .cli(&[
@@ -1208,8 +1225,7 @@ fn block_volume_cycle() {
 #[test]
 fn a_held_claim_is_waited_for_and_taken_after_the_holder_is_released() {
     let w = World::new(|c| c.claim_retry_deadline = "60s".into());
-    w.agent
-        .register(&volume_json("db", "ext-db", &["single-node-writer"]));
+    w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     w.wait_plugin_ready();
     let host1 = w.mount("a1", "db");
     assert!(is_mount_point(&host1));

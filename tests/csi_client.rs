@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use claimd::csi::grpc::{IdentityClient, NodeClient};
+use claimd::csi::grpc::{ControllerClient, IdentityClient, NodeClient};
 use claimd::csi::volume_capability::access_mode::Mode;
 use claimd::csi::*;
 use common::*;
@@ -143,6 +143,7 @@ fn identity_calls_report_name_capabilities_and_readiness() {
     let dir = TestDir::new();
     let plugin = TestPlugin::builder(dir.path())
         .name("example.csi.test")
+        .unknown_capability()
         .start();
     let c = plugin.client();
 
@@ -242,7 +243,10 @@ fn node_get_info_reports_node_id_limit_and_topology() {
 #[test]
 fn stage_publish_unpublish_unstage_with_real_mounts() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).node_id(NODE).start();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .volumes(&["vol-1"])
+        .start();
     let c = plugin.client();
     let vol = "vol-1";
 
@@ -372,6 +376,7 @@ fn without_stage_publish_binds_the_volume_itself() {
     let plugin = TestPlugin::builder(dir.path())
         .no_stage()
         .no_controller()
+        .volumes(&["v"])
         .start();
     let c = plugin.client();
     assert!(
@@ -419,7 +424,10 @@ fn without_stage_publish_binds_the_volume_itself() {
 #[test]
 fn block_volume_is_a_file_bound_onto_a_file_target() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).node_id(NODE).start();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .volumes(&["blk"])
+        .start();
     let c = plugin.client();
     let ctx = c
         .controller_publish_volume(&controller_publish("blk", NODE, Mode::SINGLE_NODE_WRITER))
@@ -456,7 +464,10 @@ fn block_volume_is_a_file_bound_onto_a_file_target() {
 #[test]
 fn publish_refuses_a_missing_target_parent_and_an_unstaged_volume() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).node_id(NODE).start();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .volumes(&["v"])
+        .start();
     let c = plugin.client();
     let ctx = c
         .controller_publish_volume(&controller_publish("v", NODE, Mode::SINGLE_NODE_WRITER))
@@ -554,7 +565,10 @@ fn invalid_arguments_are_final() {
 #[test]
 fn controller_publish_is_idempotent_and_exclusive_for_single_node_modes() {
     let dir = TestDir::new();
-    let mut plugin = TestPlugin::builder(dir.path()).start();
+    let mut plugin = TestPlugin::builder(dir.path())
+        .known_nodes(&["node-a", "node-b"])
+        .volumes(&["v"])
+        .start();
     let c = plugin.client();
     let req_a = controller_publish("v", "node-a", Mode::SINGLE_NODE_WRITER);
 
@@ -597,7 +611,10 @@ fn controller_publish_is_idempotent_and_exclusive_for_single_node_modes() {
 #[test]
 fn multi_node_volumes_attach_to_several_nodes_and_detach_from_all() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).start();
+    let plugin = TestPlugin::builder(dir.path())
+        .known_nodes(&["n1", "n2", "n3"])
+        .volumes(&["shared"])
+        .start();
     let c = plugin.client();
     for node in ["n1", "n2", "n3"] {
         c.controller_publish_volume(&controller_publish(
@@ -626,7 +643,11 @@ fn multi_node_volumes_attach_to_several_nodes_and_detach_from_all() {
 #[test]
 fn node_stage_before_controller_publish_is_refused() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).node_id(NODE).start();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .known_nodes(&["elsewhere"])
+        .volumes(&["v"])
+        .start();
     let c = plugin.client();
     let staging = dir.mkdir("staging");
     expect_status(
@@ -654,6 +675,9 @@ fn node_stage_before_controller_publish_is_refused() {
 fn attachments_per_node_are_limited() {
     let dir = TestDir::new();
     let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .known_nodes(&["other"])
+        .volumes(&["v1", "v2"])
         .max_volumes_per_node(1)
         .start();
     let c = plugin.client();
@@ -671,7 +695,7 @@ fn attachments_per_node_are_limited() {
 #[test]
 fn create_and_delete_volume() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).start();
+    let plugin = TestPlugin::builder(dir.path()).node_id(NODE).start();
     let c = plugin.client();
     let mut req = CreateVolumeRequest::new();
     req.name = "made".to_string();
@@ -753,6 +777,767 @@ fn required_contexts_must_be_passed_unchanged() {
         .expect("NodeUnstage");
 }
 
+// ---- Strict like a real plugin: the spec's refusals ----------------------
+
+/// A raw Controller client (for ValidateVolumeCapabilities, which claimd
+/// does not call).
+fn raw_controller(plugin: &TestPlugin) -> ControllerClient {
+    let channel =
+        ChannelBuilder::new(grpc_env()).connect(&format!("unix:{}", plugin.socket.display()));
+    ControllerClient::new(channel)
+}
+
+/// The status code of a raw call's error.
+#[track_caller]
+fn raw_code<T: std::fmt::Debug>(r: grpcio::Result<T>) -> RpcStatusCode {
+    match r.expect_err("the call should fail") {
+        grpcio::Error::RpcFailure(s) => s.code(),
+        e => panic!("not a status: {e:?}"),
+    }
+}
+
+fn call_codes(plugin: &TestPlugin, method: &str) -> Vec<String> {
+    plugin
+        .call_log()
+        .calls_of(method)
+        .iter()
+        .map(|c| c["code"].as_str().expect("code").to_string())
+        .collect()
+}
+
+#[test]
+fn controller_publish_refuses_unknown_volumes_and_nodes() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .known_nodes(&["node-b"])
+        .volumes(&["v"])
+        .start();
+    let c = plugin.client();
+
+    let err = expect_status(
+        c.controller_publish_volume(&controller_publish(
+            "nosuch",
+            NODE,
+            Mode::SINGLE_NODE_WRITER,
+        )),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    assert!(
+        err.to_string().contains("volume nosuch does not exist"),
+        "{err}"
+    );
+    let err = expect_status(
+        c.controller_publish_volume(&controller_publish("v", "node-x", Mode::SINGLE_NODE_WRITER)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    assert!(
+        err.to_string().contains("node node-x does not exist"),
+        "{err}"
+    );
+    assert!(plugin.controller_state().is_none(), "nothing was attached");
+    assert!(!plugin.volume_dir("nosuch").exists(), "no volume is made");
+
+    // Its own node and the known ones are accepted; the file is re-read on
+    // every call.
+    c.controller_publish_volume(&controller_publish(
+        "v",
+        NODE,
+        Mode::MULTI_NODE_MULTI_WRITER,
+    ))
+    .expect("own node");
+    c.controller_publish_volume(&controller_publish(
+        "v",
+        "node-b",
+        Mode::MULTI_NODE_MULTI_WRITER,
+    ))
+    .expect("known node");
+    plugin.add_known_node("node-x");
+    c.controller_publish_volume(&controller_publish(
+        "v",
+        "node-x",
+        Mode::MULTI_NODE_MULTI_WRITER,
+    ))
+    .expect("a node added while the plugin runs");
+    assert_eq!(
+        plugin.controller_state().expect("controller.json")["attachments"]["v"]
+            .as_object()
+            .expect("nodes")
+            .keys()
+            .collect::<Vec<_>>(),
+        ["node-a", "node-b", "node-x"]
+    );
+
+    // A single-node volume attached to one node is refused to another,
+    // naming the node it is attached to.
+    plugin.add_volume("solo");
+    c.controller_publish_volume(&controller_publish("solo", NODE, Mode::SINGLE_NODE_WRITER))
+        .expect("solo on node-a");
+    let err = expect_status(
+        c.controller_publish_volume(&controller_publish(
+            "solo",
+            "node-b",
+            Mode::SINGLE_NODE_READER_ONLY,
+        )),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Retryable,
+    );
+    assert!(err.to_string().contains("node-a"), "{err}");
+    assert_eq!(
+        plugin.controller_state().expect("controller.json")["attachments"]["solo"],
+        json!({"node-a": {"access_mode": "SINGLE_NODE_WRITER", "readonly": false}})
+    );
+
+    // ControllerUnpublish of what is not attached is done (the spec's
+    // "MUST reply 0 OK"), unknown volume or node alike.
+    c.controller_unpublish_volume(&controller_unpublish("nosuch", NODE))
+        .expect("unknown volume");
+    c.controller_unpublish_volume(&controller_unpublish("solo", "node-y"))
+        .expect("unknown node");
+    assert_eq!(
+        call_codes(&plugin, "ControllerPublishVolume"),
+        [
+            "NOT_FOUND",
+            "NOT_FOUND",
+            "OK",
+            "OK",
+            "OK",
+            "OK",
+            "FAILED_PRECONDITION"
+        ]
+    );
+    assert_eq!(
+        plugin.controller_state().expect("controller.json")["attachments"]["solo"],
+        json!({"node-a": {"access_mode": "SINGLE_NODE_WRITER", "readonly": false}})
+    );
+}
+
+#[test]
+fn node_calls_refuse_unknown_volumes_and_touch_nothing() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v"])
+        .start();
+    let c = plugin.client();
+    let none = BTreeMap::new();
+    let staging = dir.mkdir("staging");
+    let target = dir.mkdir("alloc").join("t");
+    c.node_stage_volume(&stage("v", &staging, &none))
+        .expect("NodeStage");
+    c.node_publish_volume(&publish("v", Some(&staging), &target, false, &none))
+        .expect("NodePublish");
+
+    let other_staging = dir.mkdir("staging-x");
+    let other_target = dir.path().join("alloc/x");
+    expect_status(
+        c.node_stage_volume(&stage("nosuch", &other_staging, &none)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    expect_status(
+        c.node_publish_volume(&publish(
+            "nosuch",
+            Some(&staging),
+            &other_target,
+            false,
+            &none,
+        )),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    // Teardown with an unknown volume ID: NOT_FOUND (which an agent takes
+    // as done) without unmounting what is there.
+    expect_status(
+        c.node_unpublish_volume(&unpublish("nosuch", &target)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Ignorable,
+    );
+    expect_status(
+        c.node_unstage_volume(&unstage("nosuch", &staging)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Ignorable,
+    );
+    assert!(!is_mount_point(&other_staging));
+    assert!(!other_target.exists(), "no target was made");
+    assert!(is_mount_point(&target) && is_mount_point(&staging));
+    assert!(!plugin.volume_dir("nosuch").exists(), "no volume was made");
+
+    // Teardown with another volume's ID where a volume is mounted:
+    // refused, the mount stays.
+    plugin.add_volume("w");
+    let err = expect_status(
+        c.node_unpublish_volume(&unpublish("w", &target)),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Final,
+    );
+    assert!(err.to_string().contains("another volume"), "{err}");
+    expect_status(
+        c.node_unstage_volume(&unstage("w", &staging)),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Final,
+    );
+    // Publishing w from v's staging path: w is not staged there.
+    let err = expect_status(
+        c.node_publish_volume(&publish("w", Some(&staging), &other_target, false, &none)),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Final,
+    );
+    assert!(err.to_string().contains("not staged"), "{err}");
+    assert!(!other_target.exists());
+    assert_eq!(mounts_at(&target).len(), 1);
+    assert_eq!(mounts_at(&staging).len(), 1);
+
+    c.node_unpublish_volume(&unpublish("v", &target))
+        .expect("NodeUnpublish");
+    c.node_unstage_volume(&unstage("v", &staging))
+        .expect("NodeUnstage");
+    assert!(mounts_under(dir.path()).is_empty());
+    assert_eq!(
+        plugin.call_log().methods_and_codes(),
+        pairs(&[
+            ("NodeStageVolume", "OK"),
+            ("NodePublishVolume", "OK"),
+            ("NodeStageVolume", "NOT_FOUND"),
+            ("NodePublishVolume", "NOT_FOUND"),
+            ("NodeUnpublishVolume", "NOT_FOUND"),
+            ("NodeUnstageVolume", "NOT_FOUND"),
+            ("NodeUnpublishVolume", "FAILED_PRECONDITION"),
+            ("NodeUnstageVolume", "FAILED_PRECONDITION"),
+            ("NodePublishVolume", "FAILED_PRECONDITION"),
+            ("NodeUnpublishVolume", "OK"),
+            ("NodeUnstageVolume", "OK"),
+        ])
+    );
+}
+
+#[test]
+fn a_volume_is_staged_at_one_staging_path_only() {
+    let dir = TestDir::new();
+    let mut plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v"])
+        .start();
+    let none = BTreeMap::new();
+    let first = dir.mkdir("staging/rw");
+    let second = dir.mkdir("staging/ro");
+    let c = plugin.client();
+    c.node_stage_volume(&stage("v", &first, &none))
+        .expect("NodeStage");
+
+    let refuse = |c: &CsiClient| {
+        let err = expect_status(
+            c.node_stage_volume(&stage("v", &second, &none)),
+            RpcStatusCode::FAILED_PRECONDITION,
+            ErrorClass::Final,
+        );
+        assert!(
+            err.to_string().contains(&format!(
+                "volume v is already staged at {}",
+                first.display()
+            )),
+            "the refusal names the existing staging path: {err}"
+        );
+        assert!(
+            !is_mount_point(&second),
+            "nothing is mounted at the second path"
+        );
+        assert_eq!(mounts_at(&first).len(), 1, "the first staging is untouched");
+    };
+    refuse(&c);
+    // Staging again at the first path is idempotent.
+    c.node_stage_volume(&stage("v", &first, &none))
+        .expect("NodeStage at the same path");
+    assert_eq!(mounts_at(&first).len(), 1);
+    // The plugin remembers across a restart.
+    plugin.restart();
+    let c = plugin.client();
+    refuse(&c);
+    // An unstage of the second path (where it is not staged) changes
+    // nothing; once unstaged from the first, the second path is free.
+    c.node_unstage_volume(&unstage("v", &second))
+        .expect("NodeUnstage where it is not staged");
+    refuse(&c);
+    c.node_unstage_volume(&unstage("v", &first))
+        .expect("NodeUnstage");
+    c.node_stage_volume(&stage("v", &second, &none))
+        .expect("NodeStage at the second path once the first is unstaged");
+    assert!(is_mount_point(&second) && !is_mount_point(&first));
+
+    // A staging that is gone (a reboot, an administrator's umount) no
+    // longer counts.
+    let status = admin_umount(&second);
+    assert_eq!(status, 0, "umount {}", second.display());
+    c.node_stage_volume(&stage("v", &first, &none))
+        .expect("NodeStage after the old staging vanished");
+    assert!(is_mount_point(&first));
+    c.node_unstage_volume(&unstage("v", &first))
+        .expect("NodeUnstage");
+    assert!(mounts_under(dir.path()).is_empty());
+    assert_eq!(
+        call_codes(&plugin, "NodeStageVolume"),
+        [
+            "OK",
+            "FAILED_PRECONDITION",
+            "OK",
+            "FAILED_PRECONDITION",
+            "FAILED_PRECONDITION",
+            "OK",
+            "OK"
+        ]
+    );
+}
+
+/// umount(2) of a path, as an administrator would; the return code.
+fn admin_umount(path: &Path) -> i32 {
+    let c = std::ffi::CString::new(path.to_str().expect("UTF-8")).expect("no NUL");
+    // SAFETY: a valid NUL-terminated path that outlives the call.
+    unsafe { libc::umount2(c.as_ptr(), 0) }
+}
+
+#[test]
+fn a_block_volume_is_staged_at_one_staging_path_and_published_only_once_staged() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["blk"])
+        .start();
+    let c = plugin.client();
+    let none = BTreeMap::new();
+    let block = |mut r: NodeStageVolumeRequest| {
+        r.volume_capability = Some(capability(Mode::SINGLE_NODE_WRITER, true)).into();
+        r
+    };
+    let (first, second) = (dir.mkdir("staging/a"), dir.mkdir("staging/b"));
+    let target = dir.mkdir("alloc").join("dev");
+    let mut pub_req = publish("blk", Some(&first), &target, false, &none);
+    pub_req.volume_capability = Some(capability(Mode::SINGLE_NODE_WRITER, true)).into();
+    expect_status(
+        c.node_publish_volume(&pub_req),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Final,
+    );
+    assert!(!target.exists());
+    c.node_stage_volume(&block(stage("blk", &first, &none)))
+        .expect("NodeStage block");
+    let err = expect_status(
+        c.node_stage_volume(&block(stage("blk", &second, &none))),
+        RpcStatusCode::FAILED_PRECONDITION,
+        ErrorClass::Final,
+    );
+    assert!(
+        err.to_string().contains(&first.display().to_string()),
+        "{err}"
+    );
+    // Staged as block, so not as a file system at the same path.
+    expect_status(
+        c.node_stage_volume(&stage("blk", &first, &none)),
+        RpcStatusCode::ALREADY_EXISTS,
+        ErrorClass::Final,
+    );
+    assert!(!is_mount_point(&first) && !is_mount_point(&second));
+    c.node_publish_volume(&pub_req)
+        .expect("NodePublish once staged");
+    assert!(is_mount_point(&target));
+    c.node_unpublish_volume(&unpublish("blk", &target))
+        .expect("NodeUnpublish");
+    c.node_unstage_volume(&unstage("blk", &first))
+        .expect("NodeUnstage");
+    c.node_stage_volume(&block(stage("blk", &second, &none)))
+        .expect("NodeStage at the other path once unstaged");
+    assert!(mounts_under(dir.path()).is_empty());
+}
+
+#[test]
+fn create_volume_is_idempotent_and_refuses_an_incompatible_request_for_a_name() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).start();
+    let c = plugin.client();
+    let create = |required: i64, limit: i64, params: &[(&str, &str)]| {
+        let mut req = CreateVolumeRequest::new();
+        req.name = "made".to_string();
+        req.volume_capabilities
+            .push(capability(Mode::SINGLE_NODE_WRITER, false));
+        let mut range = CapacityRange::new();
+        range.required_bytes = required;
+        range.limit_bytes = limit;
+        req.capacity_range = Some(range).into();
+        req.parameters = map(params);
+        req
+    };
+    const GIB: i64 = 1 << 30;
+    let vol = c
+        .create_volume(&create(GIB, 0, &[("tier", "gold")]))
+        .expect("CreateVolume");
+    assert_eq!(vol.capacity_bytes, GIB);
+    let state = plugin.controller_state().expect("controller.json");
+    // The same request, or one the volume satisfies, is the same volume.
+    for (required, limit) in [(GIB, 0), (GIB / 2, 0), (0, 2 * GIB), (GIB, GIB)] {
+        let again = c
+            .create_volume(&create(required, limit, &[("tier", "gold")]))
+            .expect("CreateVolume again");
+        assert_eq!(again, vol, "required {required} limit {limit}");
+    }
+    // A capacity the volume does not have, or other parameters: the
+    // spec's ALREADY_EXISTS.
+    for (required, limit, params) in [
+        (2 * GIB, 0, [("tier", "gold")]),
+        (0, GIB / 2, [("tier", "gold")]),
+        (GIB, 0, [("tier", "lead")]),
+    ] {
+        expect_status(
+            c.create_volume(&create(required, limit, &params)),
+            RpcStatusCode::ALREADY_EXISTS,
+            ErrorClass::Final,
+        );
+    }
+    expect_status(
+        c.create_volume(&create(2 * GIB, GIB, &[])),
+        RpcStatusCode::INVALID_ARGUMENT,
+        ErrorClass::Final,
+    );
+    assert_eq!(plugin.controller_state().expect("controller.json"), state);
+    assert_eq!(
+        call_codes(&plugin, "CreateVolume"),
+        [
+            "OK",
+            "OK",
+            "OK",
+            "OK",
+            "OK",
+            "ALREADY_EXISTS",
+            "ALREADY_EXISTS",
+            "ALREADY_EXISTS",
+            "INVALID_ARGUMENT"
+        ]
+    );
+}
+
+#[test]
+fn validate_volume_capabilities_confirms_known_volumes_only() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).volumes(&["pre"]).start();
+    let c = plugin.client();
+    let mut create = CreateVolumeRequest::new();
+    create.name = "made".to_string();
+    create
+        .volume_capabilities
+        .push(capability(Mode::SINGLE_NODE_WRITER, false));
+    c.create_volume(&create).expect("CreateVolume");
+    let raw = raw_controller(&plugin);
+    let opt = || CallOption::default().timeout(CALL_TIMEOUT);
+    let request = |id: &str, caps: Vec<VolumeCapability>| {
+        let mut r = ValidateVolumeCapabilitiesRequest::new();
+        r.volume_id = id.to_string();
+        r.volume_capabilities = caps;
+        r.parameters = map(&[("p", "1")]);
+        r
+    };
+    let caps = vec![
+        capability(Mode::SINGLE_NODE_WRITER, false),
+        capability(Mode::MULTI_NODE_READER_ONLY, true),
+    ];
+    for id in ["pre", "made"] {
+        let r = raw
+            .validate_volume_capabilities(&request(id, caps.clone()), opt())
+            .expect("ValidateVolumeCapabilities");
+        let confirmed = r.confirmed.as_ref().expect("confirmed");
+        assert_eq!(confirmed.volume_capabilities, caps, "{id}");
+        assert_eq!(confirmed.parameters, map(&[("p", "1")]));
+    }
+    assert_eq!(
+        raw_code(raw.validate_volume_capabilities(&request("nosuch", caps.clone()), opt())),
+        RpcStatusCode::NOT_FOUND
+    );
+    let mut no_mode = capability(Mode::SINGLE_NODE_WRITER, false);
+    no_mode.access_mode = None.into();
+    for bad in [
+        request("", caps.clone()),
+        request("pre", Vec::new()),
+        request("pre", vec![no_mode]),
+    ] {
+        assert_eq!(
+            raw_code(raw.validate_volume_capabilities(&bad, opt())),
+            RpcStatusCode::INVALID_ARGUMENT,
+            "{bad:?}"
+        );
+    }
+    assert!(!plugin.volume_dir("nosuch").exists());
+    assert_eq!(
+        call_codes(&plugin, "ValidateVolumeCapabilities"),
+        [
+            "OK",
+            "OK",
+            "NOT_FOUND",
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT"
+        ]
+    );
+}
+
+#[test]
+fn every_rpc_refuses_missing_required_fields() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .volumes(&["v"])
+        .start();
+    let c = plugin.client();
+    let none = BTreeMap::new();
+    let staging = dir.mkdir("staging");
+    let target = dir.mkdir("alloc").join("t");
+    let no_mode = || {
+        let mut cap = capability(Mode::SINGLE_NODE_WRITER, false);
+        cap.access_mode = None.into();
+        Some(cap).into()
+    };
+    let no_type = || {
+        let mut cap = capability(Mode::SINGLE_NODE_WRITER, false);
+        cap.access_type = None;
+        Some(cap).into()
+    };
+    let invalid = |r: Result<(), CsiError>, what: &str| {
+        let err = r.expect_err(what);
+        assert_eq!(
+            err.code(),
+            Some(RpcStatusCode::INVALID_ARGUMENT),
+            "{what}: {err:?}"
+        );
+    };
+
+    let mut r = controller_publish("v", NODE, Mode::SINGLE_NODE_WRITER);
+    r.volume_capability = None.into();
+    invalid(
+        c.controller_publish_volume(&r).map(drop),
+        "ControllerPublish without capability",
+    );
+    r.volume_capability = no_type();
+    invalid(
+        c.controller_publish_volume(&r).map(drop),
+        "ControllerPublish without access type",
+    );
+    invalid(
+        c.controller_unpublish_volume(&controller_unpublish("", NODE)),
+        "ControllerUnpublish without volume_id",
+    );
+
+    let mut r = stage("v", &staging, &none);
+    r.volume_capability = no_mode();
+    invalid(c.node_stage_volume(&r), "NodeStage without access mode");
+    let mut r = stage("v", &staging, &none);
+    r.staging_target_path.clear();
+    invalid(c.node_stage_volume(&r), "NodeStage without staging path");
+    invalid(
+        c.node_unstage_volume(&unstage("", &staging)),
+        "NodeUnstage without volume_id",
+    );
+
+    let mut r = publish("v", Some(&staging), &target, false, &none);
+    r.volume_capability = None.into();
+    invalid(c.node_publish_volume(&r), "NodePublish without capability");
+    let mut r = publish("v", Some(&staging), &target, false, &none);
+    r.volume_capability = no_mode();
+    invalid(c.node_publish_volume(&r), "NodePublish without access mode");
+    let mut r = publish("v", Some(&staging), &target, false, &none);
+    r.target_path.clear();
+    invalid(c.node_publish_volume(&r), "NodePublish without target");
+    invalid(
+        c.node_publish_volume(&publish("", Some(&staging), &target, false, &none)),
+        "NodePublish without volume_id",
+    );
+    invalid(
+        c.node_unpublish_volume(&unpublish("", &target)),
+        "NodeUnpublish without volume_id",
+    );
+
+    let mut create = CreateVolumeRequest::new();
+    create
+        .volume_capabilities
+        .push(capability(Mode::SINGLE_NODE_WRITER, false));
+    invalid(
+        c.create_volume(&create).map(drop),
+        "CreateVolume without name",
+    );
+    create.name = "made".to_string();
+    create.volume_capabilities[0].access_mode = None.into();
+    invalid(
+        c.create_volume(&create).map(drop),
+        "CreateVolume without access mode",
+    );
+    invalid(
+        c.delete_volume(&DeleteVolumeRequest::new()),
+        "DeleteVolume without volume_id",
+    );
+
+    // With STAGE_UNSTAGE_VOLUME, NodePublish without a staging path is
+    // the spec's FAILED_PRECONDITION ("Staging target path not set").
+    let err = c
+        .node_publish_volume(&publish("v", None, &target, false, &none))
+        .expect_err("NodePublish without staging path");
+    assert_eq!(
+        err.code(),
+        Some(RpcStatusCode::FAILED_PRECONDITION),
+        "{err:?}"
+    );
+
+    assert!(mounts_under(dir.path()).is_empty());
+    assert!(!target.exists());
+    assert!(
+        plugin.controller_state().is_none(),
+        "nothing was attached or created"
+    );
+    let invalid = "INVALID_ARGUMENT";
+    assert_eq!(
+        plugin.call_log().methods_and_codes(),
+        pairs(&[
+            ("ControllerPublishVolume", invalid),
+            ("ControllerPublishVolume", invalid),
+            ("ControllerUnpublishVolume", invalid),
+            ("NodeStageVolume", invalid),
+            ("NodeStageVolume", invalid),
+            ("NodeUnstageVolume", invalid),
+            ("NodePublishVolume", invalid),
+            ("NodePublishVolume", invalid),
+            ("NodePublishVolume", invalid),
+            ("NodePublishVolume", invalid),
+            ("NodeUnpublishVolume", invalid),
+            ("CreateVolume", invalid),
+            ("CreateVolume", invalid),
+            ("DeleteVolume", invalid),
+            ("NodePublishVolume", "FAILED_PRECONDITION"),
+        ])
+    );
+}
+
+#[test]
+fn unknown_capabilities_are_advertised_only_with_the_flag() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).start();
+    let channel =
+        ChannelBuilder::new(grpc_env()).connect(&format!("unix:{}", plugin.socket.display()));
+    let opt = || CallOption::default().timeout(CALL_TIMEOUT);
+    let plugin_caps = IdentityClient::new(channel.clone())
+        .get_plugin_capabilities(&GetPluginCapabilitiesRequest::new(), opt())
+        .expect("GetPluginCapabilities");
+    assert_eq!(plugin_caps.capabilities.len(), 1, "{plugin_caps:?}");
+    let node_caps = NodeClient::new(channel.clone())
+        .node_get_capabilities(&NodeGetCapabilitiesRequest::new(), opt())
+        .expect("NodeGetCapabilities");
+    assert_eq!(node_caps.capabilities.len(), 1, "{node_caps:?}");
+    let controller_caps = ControllerClient::new(channel)
+        .controller_get_capabilities(&ControllerGetCapabilitiesRequest::new(), opt())
+        .expect("ControllerGetCapabilities");
+    let types: Vec<i32> = controller_caps
+        .capabilities
+        .iter()
+        .map(|c| match &c.type_ {
+            Some(controller_service_capability::Type::Rpc(r)) => r.type_.value(),
+            _ => -1,
+        })
+        .collect();
+    assert_eq!(types, vec![2, 1]);
+}
+
+/// Milliseconds since the epoch, as the call log's `ts_ms`.
+fn now_ms() -> u64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch");
+    u64::try_from(d.as_millis()).expect("fits")
+}
+
+#[test]
+fn a_late_call_times_out_for_the_caller_and_takes_effect_afterwards() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id(NODE)
+        .volumes(&["v"])
+        .start();
+    const AFTER_MS: u64 = 2000;
+    plugin.faults().set(json!([
+        {"method": "ControllerPublishVolume", "action": "late", "ms": AFTER_MS, "count": 1},
+        {"method": "NodeStageVolume", "action": "late", "ms": AFTER_MS, "count": 1},
+        {"method": "NodePublishVolume", "action": "late", "ms": AFTER_MS, "count": 1}
+    ]));
+    let deadline = Duration::from_millis(300);
+    let c = plugin.client_with_timeout(deadline);
+    let staging = dir.mkdir("staging");
+    let target = dir.mkdir("alloc").join("t");
+    let log = plugin.call_log();
+    let wait_logged = |method: &str| {
+        wait_until(
+            Duration::from_secs(20),
+            &format!("the late {method}"),
+            || !log.calls_of(method).is_empty(),
+        );
+        let call = log.calls_of(method).remove(0);
+        assert_eq!(call["late"], true, "{call}");
+        assert_eq!(call["code"], "OK", "{call}");
+        call
+    };
+
+    let started = Instant::now();
+    expect_status(
+        c.controller_publish_volume(&controller_publish("v", NODE, Mode::SINGLE_NODE_WRITER)),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    let timed_out = now_ms();
+    assert!(
+        started.elapsed() < Duration::from_millis(AFTER_MS),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        plugin.controller_state().is_none(),
+        "not attached when the caller gave up"
+    );
+    let call = wait_logged("ControllerPublishVolume");
+    assert!(call["ts_ms"].as_u64().expect("ts") >= timed_out, "{call}");
+    assert_eq!(
+        plugin.controller_state().expect("attached late")["attachments"]["v"],
+        json!({"node-a": {"access_mode": "SINGLE_NODE_WRITER", "readonly": false}})
+    );
+
+    let ctx = expected_context("v", NODE);
+    expect_status(
+        c.node_stage_volume(&stage("v", &staging, &ctx)),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    assert!(
+        !is_mount_point(&staging),
+        "not staged when the caller gave up"
+    );
+    wait_logged("NodeStageVolume");
+    assert!(is_mount_point(&staging), "staged late");
+
+    expect_status(
+        c.node_publish_volume(&publish("v", Some(&staging), &target, false, &ctx)),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    assert!(
+        !is_mount_point(&target),
+        "not published when the caller gave up"
+    );
+    wait_logged("NodePublishVolume");
+    assert!(is_mount_point(&target), "published late");
+    assert!(plugin.faults().rules().is_empty());
+
+    // Calls without the fault are not late.
+    let c = plugin.client();
+    c.node_unpublish_volume(&unpublish("v", &target))
+        .expect("NodeUnpublish");
+    c.node_unstage_volume(&unstage("v", &staging))
+        .expect("NodeUnstage");
+    assert!(log.calls_of("NodeUnstageVolume")[0].get("late").is_none());
+    assert!(mounts_under(dir.path()).is_empty());
+}
+
 // ---- Error classes through faults ----------------------------------------
 
 /// A plugin with a volume staged and published at `target`.
@@ -764,7 +1549,10 @@ struct Published {
 }
 
 fn published(dir: &TestDir) -> Published {
-    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v"])
+        .start();
     let client = plugin.client();
     let staging = dir.mkdir("staging");
     let target = dir.mkdir("alloc").join("t");
@@ -860,7 +1648,10 @@ fn unavailable_is_retryable_and_a_count_fails_exactly_that_many_calls() {
 #[test]
 fn invalid_argument_fault_is_final_and_rules_filter_by_volume() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["bad", "good"])
+        .start();
     let c = plugin.client();
     plugin.faults().set(json!([
         {"method": "NodeStageVolume", "volume_id": "bad", "action": "fail", "code": "INVALID_ARGUMENT"}
@@ -940,7 +1731,10 @@ fn a_hung_call_hits_the_deadline_and_other_calls_still_answer() {
 #[test]
 fn a_delayed_call_blocks_neither_other_calls_nor_other_mounts() {
     let dir = TestDir::new();
-    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v"])
+        .start();
     let c = plugin.client();
     let none = BTreeMap::new();
     let staging = dir.mkdir("staging");
@@ -1071,7 +1865,10 @@ fn probe_reports_starting_when_not_ready() {
 #[test]
 fn an_exit_fault_fires_once_even_across_restarts() {
     let dir = TestDir::new();
-    let mut plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    let mut plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v"])
+        .start();
     plugin.faults().set(json!([
         {"method": "NodeStageVolume", "action": "exit", "count": 1}
     ]));
@@ -1188,6 +1985,9 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
         "--faults",
         "--max-volumes-per-node",
         "--require-contexts",
+        "--known-nodes",
+        "--unknown-capability",
+        "late",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }

@@ -309,6 +309,7 @@ fn waiter_returns_once_a_late_plugin_starts() {
     let plugin = TestPlugin::builder(dir.path())
         .node_id("node-1")
         .name("claimd.test.late")
+        .unknown_capability()
         .start();
     let listening = Instant::now();
     let (result, returned) = waiter.finish(STATE_TIMEOUT);

@@ -1,8 +1,12 @@
 //! `claimd-test-plugin`: a real CSI plugin (Identity, Node, Controller)
 //! over a unix socket, for claimd's integration tests. Real bind mounts,
-//! persistent controller state, a JSON-lines call log and a fault file
-//! that makes chosen calls fail, hang, exit or answer nonsense. See
-//! `--help` (and `config.rs`) for the flags and the fault file format.
+//! persistent controller and staging state, a JSON-lines call log and a
+//! fault file that makes chosen calls fail, hang, exit, finish after the
+//! caller's deadline or answer nonsense. As strict as real plugins: unknown
+//! volume or node IDs, second staging paths, second attachments of
+//! single-node volumes, conflicting names and missing fields are refused
+//! with the spec's codes (`inventory.rs`, `stagings.rs`). See `--help`
+//! (and `config.rs`) for the flags and the fault file format.
 
 #[path = "test_plugin/call_log.rs"]
 mod call_log;
@@ -16,6 +20,8 @@ mod controller_store;
 mod faults;
 #[path = "test_plugin/files.rs"]
 mod files;
+#[path = "test_plugin/inventory.rs"]
+mod inventory;
 #[path = "test_plugin/mounts.rs"]
 mod mounts;
 #[path = "test_plugin/node.rs"]
@@ -26,6 +32,8 @@ mod path_locks;
 mod plugin;
 #[path = "test_plugin/server.rs"]
 mod server;
+#[path = "test_plugin/stagings.rs"]
+mod stagings;
 
 use std::fs;
 use std::io::{self, Read, Write};

@@ -275,6 +275,32 @@ impl TestPluginBuilder {
         self.args(&["--max-volumes-per-node", &n.to_string()])
     }
 
+    /// Also advertise capability type 99 (defined by no CSI version) in
+    /// every capability list.
+    pub fn unknown_capability(self) -> Self {
+        self.args(&["--unknown-capability"])
+    }
+
+    /// Node IDs besides its own that ControllerPublish accepts, in
+    /// `<dir>/known-nodes` (more with `TestPlugin::add_known_node`).
+    pub fn known_nodes(self, ids: &[&str]) -> Self {
+        let file = self.dir.join(KNOWN_NODES_FILE);
+        fs::create_dir_all(&self.dir).expect("create the plugin directory");
+        let text: String = ids.iter().map(|id| format!("{id}\n")).collect();
+        fs::write(&file, text).expect("write the known-nodes file");
+        let file = file.to_str().expect("test paths are UTF-8").to_string();
+        self.args(&["--known-nodes", &file])
+    }
+
+    /// Volumes that exist in the plugin's storage before it starts (more
+    /// with `TestPlugin::add_volume`): the plugin refuses unknown volume IDs.
+    pub fn volumes(self, ids: &[&str]) -> Self {
+        for id in ids {
+            add_volume_dir(&self.dir.join("root"), id);
+        }
+        self
+    }
+
     pub fn args(mut self, args: &[&str]) -> Self {
         self.args.extend(args.iter().map(|a| a.to_string()));
         self
@@ -296,6 +322,20 @@ impl TestPluginBuilder {
         plugin.spawn();
         plugin
     }
+}
+
+/// The known-nodes file under a plugin's directory.
+const KNOWN_NODES_FILE: &str = "known-nodes";
+
+/// Creates volume `id` in the storage of the plugin whose root is `root`
+/// (`<root>/volumes/<id>`, as CreateVolume would).
+fn add_volume_dir(root: &Path, id: &str) {
+    assert!(
+        !id.is_empty() && !id.contains('/') && id != "." && id != "..",
+        "{id:?} is not a volume ID the test plugin accepts"
+    );
+    let dir = root.join("volumes").join(id);
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create volume {}: {e}", dir.display()));
 }
 
 /// A running `claimd-test-plugin`; killed on drop.
@@ -406,6 +446,25 @@ impl TestPlugin {
     /// `<root>/volumes/<id>`.
     pub fn volume_dir(&self, id: &str) -> PathBuf {
         self.root.join("volumes").join(id)
+    }
+
+    /// Creates a volume in the plugin's storage (the plugin refuses volume
+    /// IDs it does not know).
+    pub fn add_volume(&self, id: &str) {
+        add_volume_dir(&self.root, id);
+    }
+
+    /// Adds a node ID that ControllerPublish accepts; the plugin must have
+    /// been started with `known_nodes`.
+    pub fn add_known_node(&self, id: &str) {
+        let file = self.dir.join(KNOWN_NODES_FILE);
+        assert!(file.is_file(), "start the plugin with known_nodes(..)");
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(&file)
+            .expect("open the known-nodes file");
+        io::Write::write_all(&mut f, format!("{id}\n").as_bytes())
+            .expect("append to the known-nodes file");
     }
 
     /// The plugin's `controller.json`, if written.

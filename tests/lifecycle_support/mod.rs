@@ -379,7 +379,10 @@ impl Harness {
         )
     }
 
+    /// Registers a volume with the agent, after creating it in the test
+    /// plugin's storage (the plugin refuses volume IDs it does not know).
     pub fn register(&self, spec: VolumeSpec) {
+        self.plugin.add_volume(&spec.external_id);
         self.m().register_volume(spec).expect("register volume");
     }
 

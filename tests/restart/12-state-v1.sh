@@ -2,8 +2,9 @@
 # A state file written by the previous release (fixtures/state-v1.json,
 # schema version 1; see fixtures/README.md) is read by this one. Its paths
 # (mount root /var/lib/claimd/mounts) are rewritten to this script's
-# temporary directory, the plugin is given the controller attachments the
-# file records (they live in the controller, which outlives claimd), and
+# temporary directory, the plugin is given the volumes and the controller
+# attachments the file records (they live in the storage system and the
+# controller, which outlive claimd), and
 # the agent starts on it: since none of its mounts exist, it stages and
 # publishes everything again under the recorded claims (one NodeStage per
 # staging path, one NodePublish per target, no ControllerPublish), and
@@ -29,6 +30,8 @@ jq '{attachments: ([.allocs[].volumes[] | select(.holds_attachment)
           access_mode: (.usage.access_mode | ascii_upcase | gsub("-"; "_")), readonly: false}}}]
       | from_entries), volumes: {}}' "$FIXTURE" >"$(plugin_dir csi)/root/controller.json"
 start_plugin csi --node-id "$node_id"
+# The volumes the fixture registered exist in the plugin's storage.
+create_volumes "$(jq -c '[.volumes[]]' "$FIXTURE")"
 
 setup_agent "$T/agent" "[$(plugin_entry csi monolith)]"
 mkdir -p "$STATE_DIR"

@@ -153,6 +153,10 @@ T=$(mktemp -d "${TMPDIR:-/tmp}/claimd-$SCENARIO.XXXXXX")
 CALL_LOG=$T/calls.jsonl
 FAULTS=$T/faults.json
 echo '{"rules":[]}' >"$FAULTS"
+# The node IDs of every plugin the scenario starts, shared by all of them
+# (--known-nodes): a controller plugin refuses node IDs it does not know.
+KNOWN_NODES=$T/known-nodes
+: >"$KNOWN_NODES"
 
 # Processes this script started (agents and plugins), and plugin PIDs by name.
 _PIDS=()
@@ -290,19 +294,25 @@ plugin_socket() { echo "$T/$1.sock"; }
 plugin_dir() { echo "$T/plugins/$1"; }
 
 # start_plugin NAME [PLUGIN OPTIONS...]: starts claimd-test-plugin serving
-# $T/NAME.sock with root $T/plugins/NAME/root, the shared call log and fault
-# file, and waits until it listens. A stale socket (a killed plugin's) is
-# removed first, so the socket's existence means the new one listens.
+# $T/NAME.sock with root $T/plugins/NAME/root, the shared call log, fault
+# file and known-nodes file (to which it adds its --node-id), and waits
+# until it listens. A stale socket (a killed plugin's) is removed first, so
+# the socket's existence means the new one listens.
 start_plugin() {
 	local name=$1
 	shift
-	local sock dir
+	local sock dir node_id=test-node a prev=
+	for a in "$@"; do
+		[ "$prev" != --node-id ] || node_id=$a
+		prev=$a
+	done
+	grep -qxF -- "$node_id" "$KNOWN_NODES" || echo "$node_id" >>"$KNOWN_NODES"
 	sock=$(plugin_socket "$name")
 	dir=$(plugin_dir "$name")
-	mkdir -p "$dir"
+	mkdir -p "$dir/root/volumes"
 	rm -f "$sock"
 	RUST_LOG=info "$PLUGIN_BIN" --endpoint "$sock" --root "$dir/root" \
-		--call-log "$CALL_LOG" --faults "$FAULTS" "$@" \
+		--call-log "$CALL_LOG" --faults "$FAULTS" --known-nodes "$KNOWN_NODES" "$@" \
 		>>"$dir/plugin.log" 2>&1 </dev/null &
 	PLUGIN_PID[$name]=$!
 	_track "${PLUGIN_PID[$name]}"
@@ -489,8 +499,24 @@ cli_expect() {
 
 cli_ok() { cli_expect 0 "$@"; }
 
-# register_volumes JSON: registers an object or an array of volumes.
+# create_volumes JSON: creates the external volumes of an object or an
+# array of volumes in the storage of every plugin started so far (the test
+# plugin refuses volume IDs it does not know), as an administrator would
+# before registering them.
+create_volumes() {
+	local ext dir
+	for ext in $(jq -r '(if type == "array" then .[] else . end) | .external_id' <<<"$1"); do
+		for dir in "$T"/plugins/*/root; do
+			[ -d "$dir" ] || fail "create_volumes: start a plugin first"
+			mkdir -p "$dir/volumes/$ext"
+		done
+	done
+}
+
+# register_volumes JSON: creates (create_volumes) and registers an object or
+# an array of volumes.
 register_volumes() {
+	create_volumes "$1"
 	printf '%s' "$1" >"$T/volumes.json"
 	cli_ok volume register "$T/volumes.json"
 }

@@ -95,7 +95,7 @@ pub fn fanout(
     let mut alone = Vec::new();
     for i in 0..ALONE_RUNS {
         let (v, a) = (format!("solo{i}"), format!("solo-a{i}"));
-        register(&c, &v, "single-node-writer");
+        register(&c, &setup, &v, "single-node-writer");
         mount(&c, &a, std::slice::from_ref(&v));
         let t = Instant::now();
         let r = release(&c, &a, Duration::from_secs(60));
@@ -114,6 +114,7 @@ pub fn fanout(
     let mut bare_alone = Vec::new();
     for i in 0..ALONE_RUNS {
         let id = format!("bsolo{i}");
+        create_volume(&setup, &id);
         bare.mount(&id);
         let t = Instant::now();
         bare.release(&id);
@@ -124,7 +125,7 @@ pub fn fanout(
     // The agent: one allocation, one volume hangs.
     let vols: Vec<String> = (0..args.fanout).map(|i| format!("f{i}")).collect();
     for v in &vols {
-        register(&c, v, "single-node-writer");
+        register(&c, &setup, v, "single-node-writer");
     }
     mount(&c, "fan", &vols);
     write_faults(Some("ext-f0"));
@@ -160,6 +161,9 @@ pub fn fanout(
 
     // The bare client: the same number of releases, all at once.
     let ids: Vec<String> = (1..args.fanout).map(|i| format!("bf{i}")).collect();
+    for id in &ids {
+        create_volume(&setup, id);
+    }
     run_parallel(ids.len(), args.concurrency, |i| bare.mount(&ids[i]));
     let (_, bare_others) = run_parallel(ids.len(), ids.len(), |i| bare.release(&ids[i]));
     let peak = proc_status(agent.pid(), "VmHWM:");

@@ -152,7 +152,7 @@ fn main() {
             root: s.dir.join("bare"),
         };
         for i in 0..args.n {
-            register(&c, &format!("v{i}"), "single-node-writer");
+            register(&c, &setup, &format!("v{i}"), "single-node-writer");
         }
         for (label, threads) in [("sequential", 1usize), ("concurrent", args.concurrency)] {
             // ABBA: the agent, then the bare client, on the first half of
@@ -162,6 +162,9 @@ fn main() {
             // drift then weigh on both sides alike.
             let half = args.n / 2;
             let rounds = [(0, half, true), (half, args.n, false)];
+            for i in 0..args.n {
+                create_volume(&setup, &format!("{label}-b{i}"));
+            }
             let (mut mount_lat, mut rel_lat, mut bare_mount, mut bare_rel) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut mount_wall, mut rel_wall, mut bare_mount_wall, mut bare_rel_wall) = (
@@ -287,9 +290,9 @@ fn main() {
         let setup = start_plugin(&args, &mut s);
         let (agent, _) = Agent::start(&args, &setup);
         let c = api(&setup, &env);
-        register(&c, "shared", "multi-node-multi-writer");
+        register(&c, &setup, "shared", "multi-node-multi-writer");
         for i in 0..args.restart_n {
-            register(&c, &format!("r{i}"), "single-node-writer");
+            register(&c, &setup, &format!("r{i}"), "single-node-writer");
         }
         run_parallel(args.restart_n, args.concurrency, |i| {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
@@ -339,7 +342,7 @@ fn main() {
         ));
         // 100 concurrent mounts: writes per mount.
         for i in 0..100 {
-            register(&c, &format!("c{i}"), "single-node-writer");
+            register(&c, &setup, &format!("c{i}"), "single-node-writer");
         }
         let b = stats(&c);
         run_parallel(100, 100, |i| {

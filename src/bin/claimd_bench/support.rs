@@ -61,6 +61,8 @@ pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 
 pub struct Setup {
     pub plugin_socket: PathBuf,
+    /// The test plugin's `--root`: its volumes are `<root>/volumes/<id>`.
+    pub plugin_root: PathBuf,
     pub call_log: PathBuf,
     pub faults: PathBuf,
     pub config: PathBuf,
@@ -73,6 +75,7 @@ pub fn start_plugin(args: &Args, s: &mut Scratch) -> Setup {
     std::fs::create_dir_all(&p).expect("plugin dir");
     let setup = Setup {
         plugin_socket: p.join("csi.sock"),
+        plugin_root: p.join("root"),
         call_log: p.join("calls.jsonl"),
         faults: p.join("faults.json"),
         config: s.dir.join("config.json"),
@@ -83,7 +86,7 @@ pub fn start_plugin(args: &Args, s: &mut Scratch) -> Setup {
         .arg("--endpoint")
         .arg(&setup.plugin_socket)
         .arg("--root")
-        .arg(p.join("root"))
+        .arg(&setup.plugin_root)
         .arg("--call-log")
         .arg(&setup.call_log)
         .arg("--faults")
@@ -155,7 +158,17 @@ pub fn api(setup: &Setup, env: &Arc<grpcio::Environment>) -> ApiClient {
     ApiClient::new(env.clone(), &setup.api_socket)
 }
 
-pub fn register(c: &ApiClient, id: &str, mode: &str) {
+/// Creates volume `ext-<id>` in the test plugin's storage (it refuses
+/// volume IDs it does not know), as an administrator would before
+/// registering it; outside every timed section.
+pub fn create_volume(setup: &Setup, id: &str) {
+    let dir = setup.plugin_root.join("volumes").join(format!("ext-{id}"));
+    std::fs::create_dir_all(&dir).expect("create the volume in the plugin's storage");
+}
+
+/// Creates (`create_volume`) and registers volume `id`.
+pub fn register(c: &ApiClient, setup: &Setup, id: &str, mode: &str) {
+    create_volume(setup, id);
     let mut v = w::Volume::new();
     v.id = id.to_string();
     v.plugin_id = "hp".into();

@@ -38,6 +38,10 @@ pub struct CallRecord {
     pub secret_keys: Option<Vec<String>>,
     /// "OK", a canonical gRPC code name, or "EXIT".
     pub code: String,
+    /// A `late` fault held the call past the caller's deadline before it
+    /// did its work: the caller saw DEADLINE_EXCEEDED, whatever `code` says.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub late: bool,
 }
 
 /// Appends records to the call log file.
@@ -218,6 +222,18 @@ impl Describe for CreateVolumeRequest {
             method,
             // The volume ID this plugin will answer with is the name.
             volume_id: Some(self.name.clone()),
+            secret_keys: secret_keys(&self.secrets),
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for ValidateVolumeCapabilitiesRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.volume_id.clone()),
+            volume_context: context(&self.volume_context),
             secret_keys: secret_keys(&self.secrets),
             ..CallRecord::default()
         }

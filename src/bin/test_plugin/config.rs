@@ -9,9 +9,27 @@ pub const USAGE: &str = "\
 claimd-test-plugin: a CSI plugin (Identity, Node, Controller) for claimd's tests.
 
 Serves CSI v1 on a unix socket. Volumes are directories <root>/volumes/<volume_id>
-(block volumes: regular files <root>/volumes/<volume_id>.img), created on demand;
-node operations are real bind mounts. Controller attachments and created volumes
-are kept in <root>/controller.json, so they survive a restart.
+(block volumes: regular files <root>/volumes/<volume_id>.img); node operations are
+real bind mounts. Controller attachments and created volumes are kept in
+<root>/controller.json, staging paths in <root>/node.json, so they survive a restart.
+
+STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):
+    A volume exists when CreateVolume made it or when <root>/volumes/<id> (or
+    <id>.img) exists: a test \"creates\" a volume in the storage system with mkdir.
+    Calls naming any other volume answer NOT_FOUND (DeleteVolume and
+    ControllerUnpublish answer OK: such a volume is deleted and not attached).
+    A node exists when it is --node-id or listed in --known-nodes;
+    ControllerPublish to any other answers NOT_FOUND. A single-node volume
+    attached to one node is refused to another (FAILED_PRECONDITION naming it).
+    CreateVolume of an existing name with a capacity_range or parameters that
+    volume does not satisfy answers ALREADY_EXISTS. A volume is staged at one
+    staging_target_path only: NodeStage at another while it is staged answers
+    FAILED_PRECONDITION naming the first. NodePublish needs staging_target_path
+    (with STAGE_UNSTAGE_VOLUME) and the volume staged there (FAILED_PRECONDITION);
+    NodeUnpublish and NodeUnstage of a path where another volume is mounted answer
+    FAILED_PRECONDITION. A missing required field (IDs, paths, capabilities with
+    access type and access mode) answers INVALID_ARGUMENT.
+    ValidateVolumeCapabilities confirms every capability of an existing volume.
 
 USAGE:
     claimd-test-plugin --endpoint PATH --root DIR [OPTIONS]
@@ -21,12 +39,18 @@ OPTIONS:
                                 file there is removed at start
     --root DIR                  the plugin's state and volumes (required; created)
     --node-id ID                node ID reported by NodeGetInfo [default: test-node]
+    --known-nodes FILE          other node IDs ControllerPublishVolume accepts, one a
+                                line (blank lines and lines starting with # are
+                                ignored); re-read on every call (missing = none)
     --name NAME                 plugin name reported by GetPluginInfo
                                 [default: claimd.test.plugin]
     --no-stage                  do not advertise STAGE_UNSTAGE_VOLUME; NodeStage and
                                 NodeUnstage answer UNIMPLEMENTED
     --no-controller             do not advertise CONTROLLER_SERVICE; controller RPCs
                                 answer UNIMPLEMENTED
+    --unknown-capability        also advertise capability type 99 (which no CSI
+                                version defines) in each capability list, to test
+                                that agents ignore it
     --call-log PATH             append one JSON line per call (never secret values)
     --faults PATH               fault file, re-read on every call (missing = none)
     --max-volumes-per-node N    reported by NodeGetInfo and enforced by
@@ -44,9 +68,13 @@ FAULT FILE (JSON):
     method     RPC name as on the wire, e.g. NodeStageVolume (required)
     volume_id  only calls for this volume (optional; CreateVolume: its name)
     action     fail (answer `code` without doing the work) | delay (sleep `ms`, then
-               work) | hang (never answer) | exit (log code EXIT, exit(17) without
-               answering) | not_ready (Probe only: ready=false) | empty (answer a
-               default response) | garbage (answer bytes that do not decode)
+               work) | late (wait until the caller's deadline has passed, sleep `ms`
+               more (default 0), then do the work: the caller sees DEADLINE_EXCEEDED
+               and the effect happens anyway; its call-log line says \"late\": true;
+               volume calls only) | hang (never answer) | exit (log code EXIT,
+               exit(17) without answering) | not_ready (Probe only: ready=false) |
+               empty (answer a default response) | garbage (answer bytes that do
+               not decode)
     count      applies to this many more calls; decremented in the file, which is
                rewritten atomically; the rule is dropped at 0 (absent = forever)
     The first matching rule applies.
@@ -64,6 +92,8 @@ pub struct Config {
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
+    pub known_nodes: Option<PathBuf>,
+    pub unknown_capability: bool,
 }
 
 pub enum Parsed {
@@ -101,6 +131,8 @@ impl Config {
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
+            known_nodes: None,
+            unknown_capability: false,
         };
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
@@ -129,6 +161,7 @@ impl Config {
                 "--name" => config.name = value("NAME")?,
                 "--call-log" => config.call_log = Some(PathBuf::from(value("PATH")?)),
                 "--faults" => config.faults = Some(PathBuf::from(value("PATH")?)),
+                "--known-nodes" => config.known_nodes = Some(PathBuf::from(value("FILE")?)),
                 "--max-volumes-per-node" => {
                     let v = value("N")?;
                     config.max_volumes_per_node =
@@ -138,13 +171,17 @@ impl Config {
                             ))
                         })?;
                 }
-                "--no-stage" | "--no-controller" | "--require-contexts" => {
+                "--no-stage"
+                | "--no-controller"
+                | "--require-contexts"
+                | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
                     }
                     match flag.as_str() {
                         "--no-stage" => config.stage = false,
                         "--no-controller" => config.controller = false,
+                        "--unknown-capability" => config.unknown_capability = true,
                         _ => config.require_contexts = true,
                     }
                 }

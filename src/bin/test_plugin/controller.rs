@@ -25,6 +25,10 @@ struct Attachment {
 struct CreatedVolume {
     capacity_bytes: i64,
     volume_context: BTreeMap<String, String>,
+    /// CreateVolume's parameters: a later CreateVolume of the same name
+    /// with others is refused (ALREADY_EXISTS).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    parameters: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +58,19 @@ fn publish_context(volume_id: &str, node_id: &str) -> BTreeMap<String, String> {
 
 fn sorted(map: &HashMap<String, String>) -> BTreeMap<String, String> {
     map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// A required, non-empty list of volume capabilities, each with an access
+/// type and an access mode.
+fn check_capabilities(caps: &[VolumeCapability]) -> Outcome<()> {
+    if caps.is_empty() {
+        return Err(Failure::invalid("volume_capabilities is required"));
+    }
+    for cap in caps {
+        is_block(cap)?;
+        access_mode(cap)?;
+    }
+    Ok(())
 }
 
 impl Plugin {
@@ -115,6 +132,16 @@ impl Plugin {
                 "publish_context of volume {volume_id} is not the one ControllerPublishVolume returned"
             )));
         }
+        self.check_volume_context(volume_id, volume)
+    }
+
+    /// The volume context must be the one CreateVolume returned, for volumes
+    /// it made.
+    fn check_volume_context(
+        &self,
+        volume_id: &str,
+        volume: &HashMap<String, String>,
+    ) -> Outcome<()> {
         let matches = self.read_state(|state| {
             state
                 .volumes
@@ -146,22 +173,18 @@ impl Plugin {
             .as_ref()
             .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
         is_block(cap)?;
-        let mode = match cap.access_mode.as_ref().map(|m| m.mode.enum_value()) {
-            Some(Ok(m)) if m != volume_capability::access_mode::Mode::UNKNOWN => format!("{m:?}"),
-            _ => {
-                return Err(Failure::invalid(
-                    "volume_capability.access_mode is required",
-                ))
-            }
-        };
         let wanted = Attachment {
-            access_mode: mode,
+            access_mode: format!("{:?}", access_mode(cap)?),
             readonly: req.readonly,
         };
         let mut response = ControllerPublishVolumeResponse::new();
         response.publish_context = publish_context(id, node).into_iter().collect();
 
         let attached = self.controller_state.update(|state| -> Outcome<bool> {
+            // Under the state's lock, like DeleteVolume's check: a volume
+            // cannot be deleted between this check and the attachment.
+            self.check_volume(id)?;
+            self.check_node(node)?;
             let nodes = state.attachments.get(id);
             if let Some(existing) = nodes.and_then(|n| n.get(node)) {
                 return if *existing == wanted {
@@ -265,8 +288,9 @@ impl Plugin {
             .push(cap(EnumOrUnknown::new(Type::PUBLISH_UNPUBLISH_VOLUME)));
         r.capabilities
             .push(cap(EnumOrUnknown::new(Type::CREATE_DELETE_VOLUME)));
-        r.capabilities
-            .push(cap(EnumOrUnknown::from_i32(UNKNOWN_CAPABILITY)));
+        if let Some(unknown) = self.unknown_capability() {
+            r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
+        }
         Ok(r)
     }
 
@@ -277,32 +301,50 @@ impl Plugin {
     ) -> Outcome<CreateVolumeResponse> {
         self.controller_supported("CreateVolume")?;
         let id = valid_volume_id("name", &req.name)?;
-        if req.volume_capabilities.is_empty() {
-            return Err(Failure::invalid("volume_capabilities is required"));
-        }
-        for cap in &req.volume_capabilities {
-            is_block(cap)?;
-        }
-        let capacity = req
+        check_capabilities(&req.volume_capabilities)?;
+        let (required, limit) = req
             .capacity_range
             .as_ref()
-            .map(|r| r.required_bytes)
-            .unwrap_or(0);
+            .map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+        if required < 0 || limit < 0 || (limit > 0 && limit < required) {
+            return Err(Failure::invalid(format!(
+                "capacity_range required_bytes={required} limit_bytes={limit} is not a range"
+            )));
+        }
+        let parameters = sorted(&req.parameters);
         let created = self
             .controller_state
             .update(|state| -> Outcome<CreatedVolume> {
-                self.volume_dir(id)?;
-                Ok(state
-                    .volumes
-                    .entry(id.to_string())
-                    .or_insert_with(|| CreatedVolume {
-                        capacity_bytes: capacity,
-                        volume_context: BTreeMap::from([(
-                            "claimd.test/volume".to_string(),
-                            id.to_string(),
-                        )]),
-                    })
-                    .clone())
+                if let Some(existing) = state.volumes.get(id) {
+                    // Idempotent for a compatible request; the spec's
+                    // ALREADY_EXISTS for an incompatible one.
+                    let fits = existing.capacity_bytes >= required
+                        && (limit == 0 || existing.capacity_bytes <= limit);
+                    if !fits || existing.parameters != parameters {
+                        return Err(Failure::new(
+                            RpcStatusCode::ALREADY_EXISTS,
+                            format!(
+                                "volume {id} exists with capacity {} bytes and parameters {:?}, \
+                                 incompatible with required_bytes={required} \
+                                 limit_bytes={limit} parameters {parameters:?}",
+                                existing.capacity_bytes, existing.parameters
+                            ),
+                        ));
+                    }
+                    self.create_volume_dir(id)?;
+                    return Ok(existing.clone());
+                }
+                self.create_volume_dir(id)?;
+                let created = CreatedVolume {
+                    capacity_bytes: required,
+                    volume_context: BTreeMap::from([(
+                        "claimd.test/volume".to_string(),
+                        id.to_string(),
+                    )]),
+                    parameters: parameters.clone(),
+                };
+                state.volumes.insert(id.to_string(), created.clone());
+                Ok(created)
             })?;
         let mut volume = Volume::new();
         volume.volume_id = id.to_string();
@@ -311,6 +353,29 @@ impl Plugin {
         let mut r = CreateVolumeResponse::new();
         r.volume = protobuf::MessageField::some(volume);
         log::info!("created volume {id}");
+        Ok(r)
+    }
+
+    pub fn validate_volume_capabilities(
+        &self,
+        req: ValidateVolumeCapabilitiesRequest,
+        _call: &Call,
+    ) -> Outcome<ValidateVolumeCapabilitiesResponse> {
+        self.controller_supported("ValidateVolumeCapabilities")?;
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        check_capabilities(&req.volume_capabilities)?;
+        self.check_volume(id)?;
+        if self.config.require_contexts {
+            self.check_volume_context(id, &req.volume_context)?;
+        }
+        // Every access type and access mode CSI defines works here (the
+        // checks above refused the rest): all of them are confirmed.
+        let mut confirmed = validate_volume_capabilities_response::Confirmed::new();
+        confirmed.volume_context = req.volume_context;
+        confirmed.volume_capabilities = req.volume_capabilities;
+        confirmed.parameters = req.parameters;
+        let mut r = ValidateVolumeCapabilitiesResponse::new();
+        r.confirmed = protobuf::MessageField::some(confirmed);
         Ok(r)
     }
 

@@ -27,7 +27,20 @@ pub const METHODS: &[&str] = &[
     "NodeGetInfo",
     "ControllerPublishVolume",
     "ControllerUnpublishVolume",
+    "ValidateVolumeCapabilities",
     "ControllerGetCapabilities",
+    "CreateVolume",
+    "DeleteVolume",
+];
+
+/// The calls a `late` rule applies to: those with an effect.
+pub const LATE_METHODS: &[&str] = &[
+    "NodeStageVolume",
+    "NodeUnstageVolume",
+    "NodePublishVolume",
+    "NodeUnpublishVolume",
+    "ControllerPublishVolume",
+    "ControllerUnpublishVolume",
     "CreateVolume",
     "DeleteVolume",
 ];
@@ -66,6 +79,10 @@ pub enum Action {
     },
     /// Sleep, then do the work normally.
     Delay(Duration),
+    /// Wait until the caller's deadline has passed, sleep this much more,
+    /// then do the work (and log the call as late): the caller sees
+    /// DEADLINE_EXCEEDED, yet the effect happens.
+    Late(Duration),
     /// Never answer (until the process ends).
     Hang,
     /// Record the call with code EXIT and exit(17) without answering.
@@ -97,7 +114,7 @@ impl Rule {
             forbid("code", self.code.is_some())?;
             forbid("message", self.message.is_some())?;
         }
-        if self.action != "delay" {
+        if self.action != "delay" && self.action != "late" {
             forbid("ms", self.ms.is_some())?;
         }
         Ok(match self.action.as_str() {
@@ -117,6 +134,16 @@ impl Rule {
             "delay" => Action::Delay(Duration::from_millis(
                 self.ms.ok_or("action delay needs ms")?,
             )),
+            "late" if LATE_METHODS.contains(&self.method.as_str()) => {
+                Action::Late(Duration::from_millis(self.ms.unwrap_or(0)))
+            }
+            "late" => {
+                return Err(format!(
+                    "action late applies to volume calls only ({}), not {}",
+                    LATE_METHODS.join(", "),
+                    self.method
+                ))
+            }
             "hang" => Action::Hang,
             "exit" => Action::Exit,
             "not_ready" if self.method == "Probe" => Action::NotReady,
@@ -248,12 +275,31 @@ mod tests {
             r#"{"rules":[{"method":"NodeGetInfo","action":"not_ready"}]}"#,
             r#"{"rules":[{"method":"Probe","action":"delay"}]}"#,
             r#"{"rules":[{"method":"Probe","action":"hang","ms":3}]}"#,
+            r#"{"rules":[{"method":"Probe","action":"late","ms":3}]}"#,
+            r#"{"rules":[{"method":"NodeStageVolume","action":"late","code":"ABORTED"}]}"#,
             r#"{"rules":[{"method":"Probe","action":"hang","typo":1}]}"#,
             r#"{"rules":"#,
         ] {
             let (_dir, f) = faults(bad);
             assert!(f.take("Probe", None).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn late_takes_an_optional_ms() {
+        let (_dir, f) = faults(
+            r#"{"rules":[
+                {"method":"NodeStageVolume","action":"late","ms":250},
+                {"method":"NodePublishVolume","action":"late"}]}"#,
+        );
+        assert_eq!(
+            f.take("NodeStageVolume", Some("v")),
+            Ok(Some(Action::Late(Duration::from_millis(250))))
+        );
+        assert_eq!(
+            f.take("NodePublishVolume", Some("v")),
+            Ok(Some(Action::Late(Duration::ZERO)))
+        );
     }
 
     #[test]

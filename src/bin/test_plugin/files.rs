@@ -1,4 +1,5 @@
-//! File helpers shared by the controller state and the fault file.
+//! File helpers shared by the controller state, the node state and the
+//! fault file.
 
 use std::fs;
 use std::io::{self, Write};
@@ -15,6 +16,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         f.sync_all()?;
         fs::rename(&tmp, path)
     })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Replaces `path` with `bytes` so that a reader sees either the old or the
+/// new content, without waiting for the disk: what it writes survives the
+/// process (killed at any point), not the machine.
+pub fn write_replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = temp_path(path);
+    let result = fs::write(&tmp, bytes).and_then(|()| fs::rename(&tmp, path));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }

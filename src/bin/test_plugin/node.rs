@@ -15,7 +15,9 @@ use grpcio::RpcStatusCode;
 use protobuf::{EnumOrUnknown, MessageField};
 
 use crate::mounts;
+use crate::path_locks::lock_key;
 use crate::plugin::*;
+use crate::stagings::Staged;
 
 /// How many stacked mounts an unmount loop removes before giving up.
 const MAX_STACKED_MOUNTS: usize = 8;
@@ -59,6 +61,85 @@ impl Plugin {
         }
     }
 
+    /// Whether `path` shows the volume: its directory or block image, or a
+    /// bind mount of either (a mount point shows its source's inode).
+    fn shows_volume(&self, path: &Path, id: &str) -> Outcome<bool> {
+        let dir = self.volumes_dir().join(id);
+        let img = self.volumes_dir().join(format!("{id}.img"));
+        for source in [dir, img] {
+            match mounts::same_file(path, &source) {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_failure("stat", path, e)),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Whether `path` is a mount point (asked of the path itself, not of
+    /// the whole mount table).
+    fn is_mount_point(path: &Path) -> Outcome<bool> {
+        claimd::mounts::is_mount_point(path).map_err(|e| io_failure("inspect", path, e))
+    }
+
+    /// Whether the volume is still staged where its record says: a
+    /// file-system volume while that path is a mount of it (a reboot or an
+    /// administrator's umount ends it), a block volume (which stages
+    /// nothing) while the CO's staging directory is there.
+    fn still_staged(&self, id: &str, staged: &Staged) -> Outcome<bool> {
+        let path = &staged.staging_target_path;
+        if staged.block {
+            return Ok(path.is_dir());
+        }
+        Ok(Self::is_mount_point(path)? && self.shows_volume(path, id)?)
+    }
+
+    /// "The CO SHALL ensure that there is only one staging_target_path per
+    /// volume": a stage at another path while the volume is staged
+    /// somewhere is refused naming that path, like a real plugin whose
+    /// device is mounted once. Called with the volume's lock held.
+    fn check_one_staging_path(&self, id: &str, staging: &Path, block: bool) -> Outcome<()> {
+        let Some(staged) = self.stagings.get(id).map_err(Failure::internal)? else {
+            return Ok(());
+        };
+        if !self.still_staged(id, &staged)? {
+            return Ok(());
+        }
+        let existing = &staged.staging_target_path;
+        if lock_key(existing) != lock_key(staging) {
+            return Err(Failure::precondition(format!(
+                "volume {id} is already staged at {}; it cannot also be staged at {} \
+                 (one staging_target_path per volume)",
+                existing.display(),
+                staging.display()
+            )));
+        }
+        if staged.block != block {
+            return Err(Failure::new(
+                RpcStatusCode::ALREADY_EXISTS,
+                format!(
+                    "volume {id} is staged at {} as a {} volume",
+                    existing.display(),
+                    if staged.block { "block" } else { "file-system" }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn record_staging(&self, id: &str, staging: &Path, block: bool) -> Outcome<()> {
+        self.stagings
+            .set(
+                id,
+                Staged {
+                    staging_target_path: staging.to_path_buf(),
+                    block,
+                },
+            )
+            .map_err(Failure::internal)
+    }
+
     pub fn node_stage_volume(
         &self,
         req: NodeStageVolumeRequest,
@@ -67,11 +148,8 @@ impl Plugin {
         self.stage_supported("NodeStageVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let staging = valid_path("staging_target_path", &req.staging_target_path)?;
-        let cap = req
-            .volume_capability
-            .as_ref()
-            .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
-        let block = is_block(cap)?;
+        let block = check_capability(&req.volume_capability)?;
+        self.check_volume(id)?;
         self.check_attached(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
         if !staging.is_dir() {
@@ -80,24 +158,28 @@ impl Plugin {
                 staging.display()
             )));
         }
+        let _volume = self.volume_locks.lock(id);
+        let _paths = self.path_locks.lock(&[staging]);
+        self.check_one_staging_path(id, staging, block)?;
         if block {
             // Nothing to stage: the image file is bound at publish.
+            self.record_staging(id, staging, true)?;
             return Ok(NodeStageVolumeResponse::new());
         }
-        let _paths = self.path_locks.lock(&[staging]);
         let source = self.volume_dir(id)?;
         if mount_at(staging)?.is_some() {
-            return if mounts::same_file(staging, &source)
-                .map_err(|e| io_failure("stat", staging, e))?
-            {
-                Ok(NodeStageVolumeResponse::new())
-            } else {
-                Err(Failure::new(
+            if !mounts::same_file(staging, &source).map_err(|e| io_failure("stat", staging, e))? {
+                return Err(Failure::new(
                     RpcStatusCode::ALREADY_EXISTS,
                     format!("another volume is staged at {}", staging.display()),
-                ))
-            };
+                ));
+            }
+            self.record_staging(id, staging, false)?;
+            return Ok(NodeStageVolumeResponse::new());
         }
+        // Recorded first: a record without its mount is stale and ignored,
+        // a mount without its record would escape the one-path rule.
+        self.record_staging(id, staging, false)?;
         mounts::bind(&source, staging).map_err(|e| io_failure("bind-mount onto", staging, e))?;
         log::info!("staged {id} at {}", staging.display());
         Ok(NodeStageVolumeResponse::new())
@@ -111,8 +193,20 @@ impl Plugin {
         self.stage_supported("NodeUnstageVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let staging = valid_path("staging_target_path", &req.staging_target_path)?;
+        self.check_volume(id)?;
+        let _volume = self.volume_locks.lock(id);
         let _paths = self.path_locks.lock(&[staging]);
+        if Self::is_mount_point(staging)? && !self.shows_volume(staging, id)? {
+            return Err(Failure::precondition(format!(
+                "another volume than {id} is staged at {}",
+                staging.display()
+            )));
+        }
         unmount_all(staging)?;
+        let key = lock_key(staging);
+        self.stagings
+            .remove_if(id, |staged| lock_key(&staged.staging_target_path) == key)
+            .map_err(Failure::internal)?;
         // The staging directory belongs to the CO: it stays.
         log::info!("unstaged {id} from {}", staging.display());
         Ok(NodeUnstageVolumeResponse::new())
@@ -125,11 +219,21 @@ impl Plugin {
     ) -> Outcome<NodePublishVolumeResponse> {
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let target = valid_path("target_path", &req.target_path)?;
-        let cap = req
-            .volume_capability
-            .as_ref()
-            .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
-        let block = is_block(cap)?;
+        let block = check_capability(&req.volume_capability)?;
+        // With STAGE_UNSTAGE_VOLUME the staging path is required (the
+        // spec's FAILED_PRECONDITION "Staging target path not set").
+        let staging = if self.config.stage {
+            if req.staging_target_path.is_empty() {
+                return Err(Failure::precondition(format!(
+                    "staging_target_path is required: the plugin has STAGE_UNSTAGE_VOLUME \
+                     (NodeStageVolume volume {id} first)"
+                )));
+            }
+            Some(valid_path("staging_target_path", &req.staging_target_path)?)
+        } else {
+            None
+        };
+        self.check_volume(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
         if !self.config.stage {
             self.check_attached(id)?;
@@ -144,27 +248,35 @@ impl Plugin {
 
         // The staging path too: an unstage must not remove it between the
         // check below and the bind.
-        let staging = if !block && self.config.stage {
-            Some(valid_path("staging_target_path", &req.staging_target_path)?)
-        } else {
-            None
-        };
         let _paths = match staging {
             Some(staging) => self.path_locks.lock(&[staging, target]),
             None => self.path_locks.lock(&[target]),
         };
-        let source = if block {
-            self.volume_image(id)?
-        } else if let Some(staging) = staging {
-            if mount_at(staging)?.is_none() {
-                return Err(Failure::precondition(format!(
-                    "volume {id} is not staged at {}",
-                    staging.display()
-                )));
+        let not_staged = |staging: &Path| {
+            Failure::precondition(format!(
+                "volume {id} is not staged at {}: NodeStageVolume first",
+                staging.display()
+            ))
+        };
+        let source = match staging {
+            Some(staging) if block => {
+                let staged = self.stagings.get(id).map_err(Failure::internal)?;
+                let here = staged.is_some_and(|s| {
+                    s.block && lock_key(&s.staging_target_path) == lock_key(staging)
+                });
+                if !here {
+                    return Err(not_staged(staging));
+                }
+                self.volume_image(id)?
             }
-            staging.to_path_buf()
-        } else {
-            self.volume_dir(id)?
+            Some(staging) => {
+                if !(Self::is_mount_point(staging)? && self.shows_volume(staging, id)?) {
+                    return Err(not_staged(staging));
+                }
+                staging.to_path_buf()
+            }
+            None if block => self.volume_image(id)?,
+            None => self.volume_dir(id)?,
         };
 
         if let Some(existing) = mount_at(target)? {
@@ -223,7 +335,14 @@ impl Plugin {
     ) -> Outcome<NodeUnpublishVolumeResponse> {
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let target = valid_path("target_path", &req.target_path)?;
+        self.check_volume(id)?;
         let _paths = self.path_locks.lock(&[target]);
+        if Self::is_mount_point(target)? && !self.shows_volume(target, id)? {
+            return Err(Failure::precondition(format!(
+                "another volume than {id} is published at {}",
+                target.display()
+            )));
+        }
         unmount_all(target)?;
         // The plugin created the target; it removes it. A directory that is
         // not empty once unmounted is not ours to delete.
@@ -257,8 +376,9 @@ impl Plugin {
             r.capabilities
                 .push(cap(EnumOrUnknown::new(Type::STAGE_UNSTAGE_VOLUME)));
         }
-        r.capabilities
-            .push(cap(EnumOrUnknown::from_i32(UNKNOWN_CAPABILITY)));
+        if let Some(unknown) = self.unknown_capability() {
+            r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
+        }
         Ok(r)
     }
 

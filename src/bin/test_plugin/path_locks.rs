@@ -1,32 +1,48 @@
-//! Per-path locks for node operations: calls on different staging and
-//! target paths run concurrently; calls that touch a common path (the same
-//! target twice, or a publish and the unstage of its staging path) are
-//! serialised. A call takes all its paths at once, so two calls can never
-//! wait on each other in a cycle.
+//! Per-path and per-volume locks for node operations: calls on different
+//! staging and target paths run concurrently; calls that touch a common path
+//! (the same target twice, or a publish and the unstage of its staging path)
+//! are serialised. A call takes all its paths at once, so two calls can never
+//! wait on each other in a cycle. Stage and unstage also hold their volume
+//! (taken before any path, never while holding one), so the "one staging
+//! path per volume" decision and its mount are one step.
 
 use std::collections::HashSet;
 use std::fs;
+use std::hash::Hash;
 use std::path::{Component, Path, PathBuf};
 
 use parking_lot::{Condvar, Mutex};
 
-/// The set of paths some call holds.
-#[derive(Default)]
-pub struct PathLocks {
-    held: Mutex<HashSet<PathBuf>>,
+/// The set of keys some call holds.
+pub struct Locks<K> {
+    held: Mutex<HashSet<K>>,
     released: Condvar,
 }
 
-/// Holds a set of paths until dropped.
-pub struct PathGuard<'a> {
-    locks: &'a PathLocks,
-    paths: Vec<PathBuf>,
+/// Locks on staging and target paths.
+pub type PathLocks = Locks<PathBuf>;
+/// Locks on volume IDs.
+pub type VolumeLocks = Locks<String>;
+
+impl<K> Default for Locks<K> {
+    fn default() -> Self {
+        Locks {
+            held: Mutex::new(HashSet::new()),
+            released: Condvar::new(),
+        }
+    }
+}
+
+/// Holds a set of keys until dropped.
+pub struct Guard<'a, K: Eq + Hash> {
+    locks: &'a Locks<K>,
+    keys: Vec<K>,
 }
 
 /// The name a path is locked under: its parent resolved (symlinks, `.`,
 /// doubled slashes) plus its last component, so two spellings of one
 /// target share a lock whether or not the target exists yet.
-fn lock_key(path: &Path) -> PathBuf {
+pub fn lock_key(path: &Path) -> PathBuf {
     let lexical: PathBuf = path
         .components()
         .filter(|c| *c != Component::CurDir)
@@ -39,10 +55,9 @@ fn lock_key(path: &Path) -> PathBuf {
     }
 }
 
-impl PathLocks {
-    /// Blocks until no other call holds any of `paths`, then holds them all.
-    pub fn lock(&self, paths: &[&Path]) -> PathGuard<'_> {
-        let mut keys: Vec<PathBuf> = paths.iter().map(|p| lock_key(p)).collect();
+impl<K: Eq + Hash + Ord + Clone> Locks<K> {
+    /// Blocks until no other call holds any of `keys`, then holds them all.
+    fn lock_keys(&self, mut keys: Vec<K>) -> Guard<'_, K> {
         keys.sort();
         keys.dedup();
         let mut held = self.held.lock();
@@ -50,18 +65,29 @@ impl PathLocks {
             self.released.wait(&mut held);
         }
         held.extend(keys.iter().cloned());
-        PathGuard {
-            locks: self,
-            paths: keys,
-        }
+        Guard { locks: self, keys }
     }
 }
 
-impl Drop for PathGuard<'_> {
+impl PathLocks {
+    /// Blocks until no other call holds any of `paths`, then holds them all.
+    pub fn lock(&self, paths: &[&Path]) -> Guard<'_, PathBuf> {
+        self.lock_keys(paths.iter().map(|p| lock_key(p)).collect())
+    }
+}
+
+impl VolumeLocks {
+    /// Blocks until no other call holds the volume, then holds it.
+    pub fn lock(&self, volume_id: &str) -> Guard<'_, String> {
+        self.lock_keys(vec![volume_id.to_string()])
+    }
+}
+
+impl<K: Eq + Hash> Drop for Guard<'_, K> {
     fn drop(&mut self) {
         let mut held = self.locks.held.lock();
-        for p in &self.paths {
-            held.remove(p);
+        for k in &self.keys {
+            held.remove(k);
         }
         drop(held);
         self.locks.released.notify_all();

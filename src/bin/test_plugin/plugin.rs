@@ -2,8 +2,7 @@
 //! Identity service. Node and Controller handlers live in `node.rs` and
 //! `controller.rs`.
 
-use std::fs;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 
 use claimd::csi::*;
 use grpcio::{RpcStatus, RpcStatusCode};
@@ -14,9 +13,11 @@ use crate::call_log::CallLog;
 use crate::config::Config;
 use crate::controller_store::ControllerStore;
 use crate::faults::Faults;
-use crate::path_locks::PathLocks;
+use crate::path_locks::{PathLocks, VolumeLocks};
+use crate::stagings::Stagings;
 
-/// A capability type number no CSI version defines: agents must ignore it.
+/// A capability type number no CSI version defines: agents must ignore it
+/// (advertised with `--unknown-capability`).
 pub const UNKNOWN_CAPABILITY: i32 = 99;
 
 /// A failed call: the status the plugin answers with.
@@ -36,6 +37,10 @@ impl Failure {
 
     pub fn invalid(message: impl Into<String>) -> Failure {
         Failure::new(RpcStatusCode::INVALID_ARGUMENT, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Failure {
+        Failure::new(RpcStatusCode::NOT_FOUND, message)
     }
 
     pub fn precondition(message: impl Into<String>) -> Failure {
@@ -80,6 +85,12 @@ pub struct Plugin {
     /// (calls on different paths run concurrently). Never held while a
     /// fault delays a call.
     pub path_locks: PathLocks,
+    /// Serialises stage and unstage of one volume, so that "staged at one
+    /// path only" is decided and done in one step. Taken before any path
+    /// lock, never while holding one.
+    pub volume_locks: VolumeLocks,
+    /// `node.json`: where each volume is staged.
+    pub stagings: Stagings,
     /// `controller.json`: serialised decisions, group-committed writes.
     pub controller_state: ControllerStore,
     pub faults: Option<Faults>,
@@ -92,42 +103,17 @@ impl Plugin {
             faults: config.faults.clone().map(Faults::new),
             call_log: config.call_log.clone().map(CallLog::new),
             controller_state: ControllerStore::new(config.root.join("controller.json")),
+            stagings: Stagings::new(config.root.join("node.json")),
             config,
             path_locks: PathLocks::default(),
+            volume_locks: VolumeLocks::default(),
         }
     }
 
-    pub fn volumes_dir(&self) -> PathBuf {
-        self.config.root.join("volumes")
-    }
-
-    /// `<root>/volumes/<id>`, created on demand.
-    pub fn volume_dir(&self, id: &str) -> Outcome<PathBuf> {
-        let dir = self.volumes_dir().join(id);
-        fs::create_dir_all(&dir).map_err(|e| {
-            Failure::internal(format!("cannot create volume {}: {e}", dir.display()))
-        })?;
-        Ok(dir)
-    }
-
-    /// `<root>/volumes/<id>.img`, the block volume, created on demand.
-    pub fn volume_image(&self, id: &str) -> Outcome<PathBuf> {
-        let img = self.volumes_dir().join(format!("{id}.img"));
-        let created = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&img)
-            .and_then(|f| {
-                if f.metadata()?.len() == 0 {
-                    f.set_len(1 << 20)?;
-                }
-                Ok(())
-            });
-        created.map_err(|e| {
-            Failure::internal(format!("cannot create block volume {}: {e}", img.display()))
-        })?;
-        Ok(img)
+    /// The capability type no CSI version defines, with
+    /// `--unknown-capability`.
+    pub fn unknown_capability(&self) -> Option<i32> {
+        self.config.unknown_capability.then_some(UNKNOWN_CAPABILITY)
     }
 
     // ---- Identity --------------------------------------------------------
@@ -161,8 +147,9 @@ impl Plugin {
             r.capabilities
                 .push(cap(EnumOrUnknown::new(Type::CONTROLLER_SERVICE)));
         }
-        r.capabilities
-            .push(cap(EnumOrUnknown::from_i32(UNKNOWN_CAPABILITY)));
+        if let Some(unknown) = self.unknown_capability() {
+            r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
+        }
         Ok(r)
     }
 
@@ -213,4 +200,29 @@ pub fn is_block(cap: &VolumeCapability) -> Outcome<bool> {
             "volume_capability.access_type (mount or block) is required",
         )),
     }
+}
+
+/// The capability's access mode: required, and one CSI defines.
+pub fn access_mode(cap: &VolumeCapability) -> Outcome<volume_capability::access_mode::Mode> {
+    use volume_capability::access_mode::Mode;
+    match cap.access_mode.as_ref().map(|m| m.mode.enum_value()) {
+        Some(Ok(m)) if m != Mode::UNKNOWN => Ok(m),
+        Some(Err(n)) => Err(Failure::invalid(format!(
+            "volume_capability.access_mode {n} is not an access mode"
+        ))),
+        _ => Err(Failure::invalid(
+            "volume_capability.access_mode is required",
+        )),
+    }
+}
+
+/// A required volume capability (access type and access mode); whether it
+/// asks for a block volume.
+pub fn check_capability(cap: &MessageField<VolumeCapability>) -> Outcome<bool> {
+    let cap = cap
+        .as_ref()
+        .ok_or_else(|| Failure::invalid("volume_capability is required"))?;
+    let block = is_block(cap)?;
+    access_mode(cap)?;
+    Ok(block)
 }

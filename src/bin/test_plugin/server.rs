@@ -7,10 +7,10 @@
 
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use claimd::csi::grpc::*;
-use grpcio::{GrpcSlice, Marshaller, MessageReader, Method, ServiceBuilder, UnarySink};
+use grpcio::{Deadline, GrpcSlice, Marshaller, MessageReader, Method, ServiceBuilder, UnarySink};
 
 use crate::call_log::{now_ms, CallRecord, Describe};
 use crate::faults::Action;
@@ -78,12 +78,13 @@ where
     // "/csi.v1.Node/NodeStageVolume" -> "NodeStageVolume"
     let name: &'static str = method.name.rsplit('/').next().unwrap_or(method.name);
     let plugin = Arc::clone(plugin);
-    builder.add_unary_handler(&method, move |_ctx, req: Req, sink| {
+    builder.add_unary_handler(&method, move |ctx, req: Req, sink| {
         let plugin = Arc::clone(&plugin);
+        let deadline = ctx.deadline();
         // A thread per call: a delayed or hung call never blocks another.
         let spawned = thread::Builder::new()
             .name(format!("rpc-{name}"))
-            .spawn(move || plugin.serve(name, req, sink, handler));
+            .spawn(move || plugin.serve(name, req, deadline, sink, handler));
         if let Err(e) = spawned {
             // The sink went with the closure; dropping it cancels the call.
             log::error!("cannot start a thread for {name}: {e}");
@@ -172,6 +173,12 @@ pub fn services(plugin: &Arc<Plugin>) -> Vec<grpcio::Service> {
     let controller = add(
         controller,
         p,
+        &METHOD_CONTROLLER_VALIDATE_VOLUME_CAPABILITIES,
+        Plugin::validate_volume_capabilities,
+    );
+    let controller = add(
+        controller,
+        p,
         &METHOD_CONTROLLER_CONTROLLER_GET_CAPABILITIES,
         Plugin::controller_get_capabilities,
     );
@@ -189,17 +196,32 @@ fn hang() -> ! {
     }
 }
 
+/// How often a `late` call looks whether its caller's deadline has passed.
+const LATE_POLL_INTERVAL: Duration = Duration::from_millis(5);
+/// How long a `late` call waits for a deadline at most (a caller without
+/// one would otherwise hold it forever).
+const LATE_MAX_WAIT: Duration = Duration::from_secs(600);
+
+/// Sleeps until `deadline` has passed (bounded by LATE_MAX_WAIT).
+fn sleep_past(deadline: Deadline) {
+    let start = Instant::now();
+    while !deadline.exceeded() && start.elapsed() < LATE_MAX_WAIT {
+        thread::sleep(LATE_POLL_INTERVAL);
+    }
+}
+
 impl Plugin {
     /// Runs one call on its own thread: fault rule, work, call log, reply.
     fn serve<Req: Describe, Resp: protobuf::Message>(
         &self,
         method: &'static str,
         req: Req,
+        deadline: Deadline,
         sink: UnarySink<Reply<Resp>>,
         handler: Handler<Req, Resp>,
     ) {
         let mut record = req.describe(method);
-        let outcome = self.answer(&mut record, req, handler);
+        let outcome = self.answer(&mut record, req, deadline, handler);
         record.code = match &outcome {
             Ok(_) => "OK".to_string(),
             Err(f) => claimd::csi::code_name(f.code),
@@ -233,6 +255,7 @@ impl Plugin {
         &self,
         record: &mut CallRecord,
         req: Req,
+        deadline: Deadline,
         handler: Handler<Req, Resp>,
     ) -> Outcome<Reply<Resp>> {
         let action = match &self.faults {
@@ -251,6 +274,16 @@ impl Plugin {
             Some(Action::Delay(d)) => {
                 log::info!("{} {}: delaying {d:?}", record.method, volume(record));
                 thread::sleep(d);
+            }
+            Some(Action::Late(extra)) => {
+                log::info!(
+                    "{} {}: doing the work {extra:?} after the caller's deadline",
+                    record.method,
+                    volume(record)
+                );
+                sleep_past(deadline);
+                thread::sleep(extra);
+                record.late = true;
             }
             Some(Action::Hang) => {
                 log::info!("{} {}: hanging", record.method, volume(record));
