@@ -572,6 +572,46 @@ fn a_frozen_etcd_costs_one_call_deadline_not_a_hang() {
 }
 
 #[test]
+fn after_a_silent_member_times_out_the_next_call_goes_elsewhere() {
+    let etcd = Etcd::start();
+    let proxy = Proxy::start(
+        format!("127.0.0.1:{}", etcd.client_port())
+            .parse()
+            .expect("an address"),
+    );
+    let timeout = Duration::from_secs(2);
+    let c = EtcdClient::connect(
+        &[proxy.endpoint(), etcd.endpoint()],
+        EtcdOptions {
+            call_timeout: timeout,
+            ..EtcdOptions::default()
+        },
+    )
+    .expect("connect");
+    c.put("/t/p", "1").expect("put through the proxy");
+    assert_eq!(c.current_endpoint(), proxy.addr().to_string());
+    // A partition: the connection stays open, nothing answers.
+    proxy.pause();
+    let started = Instant::now();
+    let e = c.put("/t/p", "2").expect_err("nothing passes the proxy");
+    assert!(e.is_retryable(), "{e:?}");
+    assert_eq!(
+        e.code(),
+        Some(grpcio::RpcStatusCode::DEADLINE_EXCEEDED),
+        "{e}"
+    );
+    assert!(started.elapsed() < timeout + Duration::from_secs(1));
+    // The next call starts at the other endpoint and goes through.
+    c.put("/t/p", "3").expect("put through the second endpoint");
+    assert_eq!(
+        c.current_endpoint(),
+        format!("127.0.0.1:{}", etcd.client_port())
+    );
+    proxy.resume();
+    assert_eq!(c.get("/t/p").expect("get").expect("exists").value, b"3");
+}
+
+#[test]
 fn a_member_that_never_answers_gets_its_share_of_the_deadline() {
     // Accepts connections and never says a word (no HTTP/2 handshake).
     let mute = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

@@ -5,15 +5,16 @@
 //! that does not connect within its share of the deadline is skipped (the
 //! request was never sent, so this is safe for every call). A request that
 //! was sent and failed with UNAVAILABLE is sent again to the next endpoint
-//! only when it is a read; a write returns the (retryable) error, and the
-//! next call starts at the next endpoint.
+//! only when it is a read; a write returns the (retryable) error. After
+//! UNAVAILABLE or DEADLINE_EXCEEDED the next call starts at the next
+//! endpoint.
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grpcio::{CallOption, Channel, ChannelBuilder, ConnectivityState, Environment};
+use grpcio::{CallOption, Channel, ChannelBuilder, ConnectivityState, Environment, RpcStatusCode};
 
 use super::endpoint::{parse_endpoint, Scheme};
 use super::grpc::{KVClient as KvClient, LeaseClient, WatchClient};
@@ -148,15 +149,19 @@ impl Inner {
                     self.current.store(i, Ordering::Relaxed);
                     return Ok(v);
                 }
-                Err(e) if e.is_unavailable() => {
-                    // The next call starts at the next endpoint.
+                Err(e) if e.is_unavailable() && retry_unavailable => {
                     self.current.store((i + 1) % n, Ordering::Relaxed);
-                    if !retry_unavailable {
-                        return Err(e);
-                    }
                     last = Some(e);
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // A member that is down, or connected but silent (a
+                    // partition keeps TCP open until HTTP/2 keepalive gives
+                    // up): the next call starts at the next endpoint.
+                    if e.is_unavailable() || e.code() == Some(RpcStatusCode::DEADLINE_EXCEEDED) {
+                        self.current.store((i + 1) % n, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
             }
         }
         Err(last.unwrap_or_else(|| EtcdError::Unreachable {
@@ -407,7 +412,7 @@ impl EtcdClient {
             .unary("LeaseRevoke", true, |ep, o| ep.lease.lease_revoke(&req, o))
         {
             Ok(_) => Ok(()),
-            Err(e) if e.code() == Some(grpcio::RpcStatusCode::NOT_FOUND) => Ok(()),
+            Err(e) if e.code() == Some(RpcStatusCode::NOT_FOUND) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -423,7 +428,7 @@ impl EtcdClient {
         match r {
             Ok(r) if r.TTL < 0 => Ok(None),
             Ok(r) => Ok(Some(Duration::from_secs(r.TTL.unsigned_abs()))),
-            Err(e) if e.code() == Some(grpcio::RpcStatusCode::NOT_FOUND) => Ok(None),
+            Err(e) if e.code() == Some(RpcStatusCode::NOT_FOUND) => Ok(None),
             Err(e) => Err(e),
         }
     }

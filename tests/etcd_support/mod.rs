@@ -213,3 +213,109 @@ impl Drop for Etcd {
         self.kill();
     }
 }
+
+/// A TCP proxy on a free loopback port in front of one address, that a test
+/// can pause: connections stay open and nothing passes (a partition, as a
+/// node sees it), until it resumes. Stopped on drop.
+pub struct Proxy {
+    addr: std::net::SocketAddr,
+    state: std::sync::Arc<ProxyState>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    paused: std::sync::atomic::AtomicBool,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+/// How often a pump looks at the pause and stop flags.
+const PUMP_TICK: Duration = Duration::from_millis(20);
+
+impl Proxy {
+    pub fn start(target: std::net::SocketAddr) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let state = std::sync::Arc::new(ProxyState::default());
+        let st = state.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if st.stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(down) = conn else { continue };
+                let Ok(up) = std::net::TcpStream::connect(target) else {
+                    continue;
+                };
+                for (from, to) in [(&down, &up), (&up, &down)] {
+                    let (from, to) = (
+                        from.try_clone().expect("clone a socket"),
+                        to.try_clone().expect("clone a socket"),
+                    );
+                    let st = st.clone();
+                    std::thread::spawn(move || pump(from, to, &st));
+                }
+            }
+        });
+        Proxy { addr, state }
+    }
+
+    /// `http://127.0.0.1:<proxy port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    pub fn pause(&self) {
+        self.state
+            .paused
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn resume(&self) {
+        self.state
+            .paused
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.state
+            .stopped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wake the acceptor so that it sees the flag; pumps see it within a
+        // tick and close their sockets.
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
+}
+
+/// Copies `from` to `to` while not paused; ends (closing both) at EOF, on
+/// an error or when the proxy stops.
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, st: &ProxyState) {
+    use std::io::{ErrorKind, Read, Write};
+    use std::sync::atomic::Ordering;
+    let _ = from.set_read_timeout(Some(PUMP_TICK));
+    let mut buf = [0u8; 16 * 1024];
+    while !st.stopped.load(Ordering::SeqCst) {
+        if st.paused.load(Ordering::SeqCst) {
+            std::thread::sleep(PUMP_TICK);
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
