@@ -1,11 +1,18 @@
 //! Code generation: protobuf messages (rust-protobuf's pure-Rust parser, no
-//! `protoc`) and grpcio method descriptors, blocking client stubs and server
-//! traits for every service, all written to OUT_DIR.
+//! `protoc`) and grpcio method descriptors, client stubs and server traits
+//! for every service, all written to OUT_DIR. Unary methods get a blocking
+//! call; bidirectional streams (etcd's Watch and LeaseKeepAlive) get the
+//! sender/receiver pair that grpcio gives.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
-const PROTOS: &[&str] = &["proto/csi.proto", "proto/claimd.proto"];
+const PROTOS: &[&str] = &[
+    "proto/csi.proto",
+    "proto/claimd.proto",
+    "proto/etcd_kv.proto",
+    "proto/etcd.proto",
+];
 
 fn main() {
     for p in PROTOS {
@@ -37,6 +44,9 @@ fn main() {
             .iter()
             .find(|f| f.name() == name)
             .expect("parsed descriptor for every input");
+        if file.service.is_empty() {
+            continue;
+        }
         let stem = name.trim_end_matches(".proto");
         let code = grpc_code(stem, file);
         std::fs::write(Path::new(&out_dir).join(format!("{stem}_grpc.rs")), code)
@@ -44,11 +54,18 @@ fn main() {
     }
 }
 
+/// `NodeGetInfo` -> `node_get_info`; an acronym stays one word
+/// (`KV` -> `kv`, `HashKV` -> `hash_kv`).
 fn snake(s: &str) -> String {
+    let chars: Vec<char> = s.chars().collect();
     let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
+    for (i, &c) in chars.iter().enumerate() {
         if c.is_ascii_uppercase() {
-            if i > 0 {
+            let prev_lower = i > 0 && !chars[i - 1].is_ascii_uppercase();
+            let acronym_end = i > 0
+                && chars[i - 1].is_ascii_uppercase()
+                && chars.get(i + 1).is_some_and(|n| n.is_ascii_lowercase());
+            if prev_lower || acronym_end {
                 out.push('_');
             }
             out.push(c.to_ascii_lowercase());
@@ -57,6 +74,24 @@ fn snake(s: &str) -> String {
         }
     }
     out
+}
+
+/// The call shapes claimd uses.
+enum Kind {
+    Unary,
+    /// Both sides stream (etcd's Watch and LeaseKeepAlive).
+    Duplex,
+}
+
+fn kind(m: &protobuf::descriptor::MethodDescriptorProto) -> Kind {
+    match (m.client_streaming(), m.server_streaming()) {
+        (false, false) => Kind::Unary,
+        (true, true) => Kind::Duplex,
+        _ => panic!(
+            "method {}: only unary and bidirectional streaming are generated",
+            m.name()
+        ),
+    }
 }
 
 /// `.csi.v1.NodeStageVolumeRequest` -> `crate::generated::csi::NodeStageVolumeRequest`
@@ -82,37 +117,43 @@ fn grpc_code(module: &str, file: &protobuf::descriptor::FileDescriptorProto) -> 
         let svc_upper = svc_snake.to_uppercase();
         // Method descriptors.
         for m in &svc.method {
-            assert!(
-                !m.client_streaming() && !m.server_streaming(),
-                "only unary methods are generated"
-            );
             let (req, resp) = (
                 rust_type(module, package, m.input_type()),
                 rust_type(module, package, m.output_type()),
             );
+            let ty = match kind(m) {
+                Kind::Unary => "Unary",
+                Kind::Duplex => "Duplex",
+            };
             let _ = writeln!(
                 s,
-                "pub const METHOD_{svc_upper}_{m_upper}: ::grpcio::Method<{req}, {resp}> = ::grpcio::Method {{\n    ty: ::grpcio::MethodType::Unary,\n    name: \"/{package}.{svc_name}/{m_name}\",\n    req_mar: ::grpcio::Marshaller {{ ser: ::grpcio::pb_ser, de: ::grpcio::pb_de }},\n    resp_mar: ::grpcio::Marshaller {{ ser: ::grpcio::pb_ser, de: ::grpcio::pb_de }},\n}};\n",
+                "pub const METHOD_{svc_upper}_{m_upper}: ::grpcio::Method<{req}, {resp}> = ::grpcio::Method {{\n    ty: ::grpcio::MethodType::{ty},\n    name: \"/{package}.{svc_name}/{m_name}\",\n    req_mar: ::grpcio::Marshaller {{ ser: ::grpcio::pb_ser, de: ::grpcio::pb_de }},\n    resp_mar: ::grpcio::Marshaller {{ ser: ::grpcio::pb_ser, de: ::grpcio::pb_de }},\n}};\n",
                 m_upper = snake(m.name()).to_uppercase(),
                 m_name = m.name(),
             );
         }
-        // Blocking client.
+        // Client: a blocking call per unary method, the grpcio
+        // sender/receiver pair per bidirectional stream.
         let _ = writeln!(
             s,
-            "/// Blocking client of `{package}.{svc_name}`.\n#[derive(Clone)]\npub struct {svc_name}Client {{\n    client: ::grpcio::Client,\n}}\n\nimpl {svc_name}Client {{\n    pub fn new(channel: ::grpcio::Channel) -> Self {{\n        {svc_name}Client {{ client: ::grpcio::Client::new(channel) }}\n    }}\n"
+            "/// Client of `{package}.{svc_name}`.\n#[derive(Clone)]\npub struct {svc_name}Client {{\n    client: ::grpcio::Client,\n}}\n\nimpl {svc_name}Client {{\n    pub fn new(channel: ::grpcio::Channel) -> Self {{\n        {svc_name}Client {{ client: ::grpcio::Client::new(channel) }}\n    }}\n"
         );
         for m in &svc.method {
             let (req, resp) = (
                 rust_type(module, package, m.input_type()),
                 rust_type(module, package, m.output_type()),
             );
-            let _ = writeln!(
-                s,
-                "    pub fn {m_snake}(&self, req: &{req}, opt: ::grpcio::CallOption) -> ::grpcio::Result<{resp}> {{\n        self.client.unary_call(&METHOD_{svc_upper}_{m_upper}, req, opt)\n    }}\n",
-                m_snake = snake(m.name()),
-                m_upper = snake(m.name()).to_uppercase(),
-            );
+            let (m_snake, m_upper) = (snake(m.name()), snake(m.name()).to_uppercase());
+            let _ = match kind(m) {
+                Kind::Unary => writeln!(
+                    s,
+                    "    pub fn {m_snake}(&self, req: &{req}, opt: ::grpcio::CallOption) -> ::grpcio::Result<{resp}> {{\n        self.client.unary_call(&METHOD_{svc_upper}_{m_upper}, req, opt)\n    }}\n"
+                ),
+                Kind::Duplex => writeln!(
+                    s,
+                    "    pub fn {m_snake}(&self, opt: ::grpcio::CallOption) -> ::grpcio::Result<(::grpcio::ClientDuplexSender<{req}>, ::grpcio::ClientDuplexReceiver<{resp}>)> {{\n        self.client.duplex_streaming(&METHOD_{svc_upper}_{m_upper}, opt)\n    }}\n"
+                ),
+            };
         }
         s.push_str("}\n\n");
         // Server trait: every method answers UNIMPLEMENTED unless overridden.
@@ -125,11 +166,20 @@ fn grpc_code(module: &str, file: &protobuf::descriptor::FileDescriptorProto) -> 
                 rust_type(module, package, m.input_type()),
                 rust_type(module, package, m.output_type()),
             );
+            let (m_snake, m_name) = (snake(m.name()), m.name());
+            let (input, sink) = match kind(m) {
+                Kind::Unary => (
+                    format!("_req: {req}"),
+                    format!("::grpcio::UnarySink<{resp}>"),
+                ),
+                Kind::Duplex => (
+                    format!("_stream: ::grpcio::RequestStream<{req}>"),
+                    format!("::grpcio::DuplexSink<{resp}>"),
+                ),
+            };
             let _ = writeln!(
                 s,
-                "    fn {m_snake}(&mut self, ctx: ::grpcio::RpcContext<'_>, _req: {req}, sink: ::grpcio::UnarySink<{resp}>) {{\n        // The reply future is kept until sent: dropping it early cancels the call.\n        let reply = sink.fail(::grpcio::RpcStatus::with_message(::grpcio::RpcStatusCode::UNIMPLEMENTED, \"{m_name} is not implemented\".to_string()));\n        ctx.spawn(async move {{ let _ = reply.await; }});\n    }}",
-                m_snake = snake(m.name()),
-                m_name = m.name(),
+                "    fn {m_snake}(&mut self, ctx: ::grpcio::RpcContext<'_>, {input}, sink: {sink}) {{\n        // The reply future is kept until sent: dropping it early cancels the call.\n        let reply = sink.fail(::grpcio::RpcStatus::with_message(::grpcio::RpcStatusCode::UNIMPLEMENTED, \"{m_name} is not implemented\".to_string()));\n        ctx.spawn(async move {{ let _ = reply.await; }});\n    }}"
             );
         }
         s.push_str("}\n\n");
@@ -138,9 +188,13 @@ fn grpc_code(module: &str, file: &protobuf::descriptor::FileDescriptorProto) -> 
             "pub fn create_{svc_snake}<S: {svc_name}>(s: S) -> ::grpcio::Service {{\n    let builder = ::grpcio::ServiceBuilder::new();"
         );
         for m in &svc.method {
+            let add = match kind(m) {
+                Kind::Unary => "add_unary_handler",
+                Kind::Duplex => "add_duplex_streaming_handler",
+            };
             let _ = writeln!(
                 s,
-                "    let mut instance = s.clone();\n    let builder = builder.add_unary_handler(&METHOD_{svc_upper}_{m_upper}, move |ctx, req, sink| instance.{m_snake}(ctx, req, sink));",
+                "    let mut instance = s.clone();\n    let builder = builder.{add}(&METHOD_{svc_upper}_{m_upper}, move |ctx, req, sink| instance.{m_snake}(ctx, req, sink));",
                 m_snake = snake(m.name()),
                 m_upper = snake(m.name()).to_uppercase(),
             );

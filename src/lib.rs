@@ -14,6 +14,7 @@ pub mod claims;
 pub mod cli;
 pub mod config;
 pub mod csi;
+pub mod etcd;
 pub mod failpoints;
 pub mod ids;
 pub mod lifecycle;

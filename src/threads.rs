@@ -137,16 +137,28 @@ impl Wake for ThreadWaker {
 /// is sent: dropping it early lets gRPC cancel the call, and the client sees
 /// CANCELLED instead of the answer. A request thread waits on it with this.
 pub fn block_on<F: Future>(future: F, timeout: Duration) -> Option<F::Output> {
+    block_on_while(future, Instant::now() + timeout, || true)
+}
+
+/// Like `block_on`, up to `deadline`, and also gives up (`None`) as soon as
+/// `keep_waiting` turns false: it is checked at every wake-up, so another
+/// thread interrupts the wait by changing what it reads and unparking this
+/// thread (`JoinHandle::thread().unpark()`). Dropping the future is how a
+/// stream's pending receive is abandoned; the stream keeps its state.
+pub fn block_on_while<F: Future>(
+    future: F,
+    deadline: Instant,
+    keep_waiting: impl Fn() -> bool,
+) -> Option<F::Output> {
     let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
     let mut cx = Context::from_waker(&waker);
     let mut future = pin!(future);
-    let deadline = Instant::now() + timeout;
     loop {
         if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
             return Some(out);
         }
         let now = Instant::now();
-        if now >= deadline {
+        if now >= deadline || !keep_waiting() {
             return None;
         }
         // A wake-up unparks; a spurious one only costs a poll.

@@ -12,12 +12,15 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # Set-up: grpcio's C core builds with cmake and a C++ compiler; the restart
-# scripts use jq and findmnt.
+# scripts use jq and findmnt; tests/etcd_client.rs starts throwaway members
+# of Debian's etcd (package etcd-server: it starts no daemon of its own here,
+# and the tests never use a default instance).
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)
 command -v findmnt >/dev/null || need+=(util-linux)
+[ -x /usr/bin/etcd ] || need+=(etcd-server)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]}"
   apt-get update -qq
