@@ -1786,6 +1786,54 @@ fn mount_retries_wait_for_the_plugin_to_come_back() {
     assert_all_released(&h);
 }
 
+/// A NodePublish that hits its deadline is uncertain: the plugin carries it
+/// out after the caller gave up. When the mount then fails and is rolled
+/// back, nothing of it may survive: the teardown waits for the late call to
+/// settle, finds the target mounted again and unpublishes it again, and
+/// the controller detach and the claim's release come after the last
+/// unmount.
+fn a_timed_out_publish_that_completes_late_leaves_no_mount() {
+    // A plugin that creates the target's parent itself: the rollback
+    // removing it does not stop the late call.
+    let h = Harness::with_plugin(|b| b.args(&["--create-target-parent"]));
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.wait_plugin_ready();
+    h.plugin.faults().set(json!([
+        {"method": NP, "action": "late", "ms": 300, "count": 1},
+        {"method": NP, "action": "fail", "code": "INVALID_ARGUMENT",
+         "message": "bad flags", "count": 1},
+        // The rollback's NodeUnstage is slow: the staging is still there
+        // when the late NodePublish is carried out, so it succeeds.
+        {"method": NUS, "action": "delay", "ms": 1500, "count": 1}
+    ]));
+    let err = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect_err("the second NodePublish fails for good");
+    assert!(matches!(err, MountError::Csi { .. }), "{err:?}");
+    assert!(h.m().wait_released("a1", WAIT), "the rollback ends");
+    assert_eq!(h.m().release_status("a1"), released(&["data"]));
+    let calls = h.lifecycle_calls();
+    let late = calls
+        .iter()
+        .find(|c| c["method"] == NP && c["late"] == true)
+        .expect("the late NodePublish was carried out");
+    assert_eq!(late["code"], "OK", "the late NodePublish mounted: {late}");
+    let cu = calls.iter().find(|c| c["method"] == CU).expect("detached");
+    let unpublishes: Vec<&Value> = calls.iter().filter(|c| c["method"] == NU).collect();
+    let last_nu = unpublishes.last().expect("unpublished");
+    let ts = |c: &Value| c["ts_ms"].as_u64().expect("ts_ms");
+    assert!(
+        ts(last_nu) >= ts(late),
+        "the last NodeUnpublish ({}) came before the late mount ({}): {calls:#?}",
+        ts(last_nu),
+        ts(late)
+    );
+    assert!(ts(cu) >= ts(last_nu), "detach before the last unmount");
+    assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
+    assert_all_released_leaving(&h, &released_tree());
+}
+
 // ---- The remote-like store's own path --------------------------------------
 
 /// The claims of the local state file alone (no remote claims merged in).
@@ -1894,6 +1942,7 @@ macro_rules! both_stores {
 }
 
 both_stores!(
+    a_timed_out_publish_that_completes_late_leaves_no_mount,
     one_staging_path_per_volume_read_only_at_publish,
     a_recorded_staging_path_of_the_old_layout_is_kept_and_shared,
     each_release_step_starts_its_own_backoff,

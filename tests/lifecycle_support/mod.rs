@@ -148,6 +148,9 @@ impl Running {
         opts.release_retry_deadline = Duration::from_secs(60);
         opts.csi_backoff = backoff;
         opts.restore_wait = Duration::from_secs(5);
+        // The registry's call deadline: a timed-out call has had that long
+        // to finish.
+        opts.uncertain_settle = Duration::from_secs(5);
         let manager = Lifecycle::new(
             store.clone(),
             claims.clone(),

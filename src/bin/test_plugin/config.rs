@@ -59,6 +59,9 @@ OPTIONS:
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
                                 publish_context other than ControllerPublish's, or a
                                 volume_context other than CreateVolume's
+    --create-target-parent      NodePublish creates the target's parent directory
+                                itself (as some plugins do) instead of refusing
+                                (FAILED_PRECONDITION) when the CO did not
     -h, --help                  print this help
 
 FAULT FILE (JSON):
@@ -92,6 +95,7 @@ pub struct Config {
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
+    pub create_target_parent: bool,
     pub known_nodes: Option<PathBuf>,
     pub unknown_capability: bool,
 }
@@ -131,6 +135,7 @@ impl Config {
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
+            create_target_parent: false,
             known_nodes: None,
             unknown_capability: false,
         };
@@ -174,6 +179,7 @@ impl Config {
                 "--no-stage"
                 | "--no-controller"
                 | "--require-contexts"
+                | "--create-target-parent"
                 | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
@@ -182,6 +188,7 @@ impl Config {
                         "--no-stage" => config.stage = false,
                         "--no-controller" => config.controller = false,
                         "--unknown-capability" => config.unknown_capability = true,
+                        "--create-target-parent" => config.create_target_parent = true,
                         _ => config.require_contexts = true,
                     }
                 }

@@ -238,6 +238,13 @@ impl Plugin {
         if !self.config.stage {
             self.check_attached(id)?;
         }
+        if self.config.create_target_parent {
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    Failure::precondition(format!("cannot create {}: {e}", parent.display()))
+                })?;
+            }
+        }
         let parent_ok = target.parent().is_some_and(Path::is_dir);
         if !parent_ok {
             return Err(Failure::precondition(format!(
