@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::api::ApiServer;
-use crate::claims::EmbeddedClaims;
+use crate::claims::{ClaimStore, EmbeddedClaims, EtcdClaims};
+use crate::cluster::NodeLiveness;
 use crate::config::Config;
 use crate::lifecycle::{Lifecycle, LifecycleOptions};
 use crate::plugins::{Registry, RegistryOptions};
@@ -27,6 +28,8 @@ pub enum AgentError {
         what: String,
         source: std::io::Error,
     },
+    /// The cluster section names endpoints or TLS files etcd cannot use.
+    Cluster(crate::etcd::EtcdError),
 }
 
 impl fmt::Display for AgentError {
@@ -35,6 +38,7 @@ impl fmt::Display for AgentError {
             AgentError::State(e) => e.fmt(f),
             AgentError::Api(e) => e.fmt(f),
             AgentError::Io { what, .. } => f.write_str(what),
+            AgentError::Cluster(_) => f.write_str("cluster mode cannot start"),
         }
     }
 }
@@ -45,6 +49,7 @@ impl std::error::Error for AgentError {
             AgentError::State(e) => e.source(),
             AgentError::Api(e) => e.source(),
             AgentError::Io { source, .. } => Some(source),
+            AgentError::Cluster(e) => Some(e),
         }
     }
 }
@@ -69,6 +74,8 @@ pub struct Agent {
     pub registry: Registry,
     pub dev: bool,
     api: ApiServer,
+    /// Cluster mode: this node's liveness in etcd.
+    liveness: Option<NodeLiveness>,
 }
 
 impl Agent {
@@ -99,7 +106,29 @@ impl Agent {
             shutdown.clone(),
         )
         .map_err(io_err("failed to start the plugin registry"))?;
-        let claims = Arc::new(EmbeddedClaims::new(store.clone()));
+        let (claims, liveness): (Arc<dyn ClaimStore>, _) = match &config.cluster {
+            None => (Arc::new(EmbeddedClaims::new(store.clone())), None),
+            Some(c) => {
+                let client = connect_etcd(c).map_err(AgentError::Cluster)?;
+                log::info!(
+                    "cluster mode: claims in etcd under {} ({})",
+                    c.prefix,
+                    c.endpoints.join(", ")
+                );
+                let liveness = NodeLiveness::start(
+                    client.clone(),
+                    &c.prefix,
+                    &config.node_name,
+                    c.lease_ttl,
+                    shutdown.clone(),
+                )
+                .map_err(io_err("failed to start the cluster liveness thread"))?;
+                (
+                    Arc::new(EtcdClaims::new(client, &c.prefix, store.clone())),
+                    Some(liveness),
+                )
+            }
+        };
         let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);
         opts.plugin_wait = config.timeouts.plugin_wait;
         opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
@@ -121,6 +150,9 @@ impl Agent {
                     let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
                     lifecycle.join(deadline);
                     registry.join(deadline);
+                    if let Some(l) = &liveness {
+                        l.join(deadline);
+                    }
                     return Err(AgentError::Api(e));
                 }
             };
@@ -131,6 +163,7 @@ impl Agent {
             registry,
             dev,
             api,
+            liveness,
         })
     }
 
@@ -170,6 +203,9 @@ impl Agent {
         let mut left = api_left;
         left.extend(self.lifecycle.join(deadline));
         left.extend(self.registry.join(deadline));
+        if let Some(l) = &self.liveness {
+            left.extend(l.join(deadline));
+        }
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));
         }
@@ -218,4 +254,28 @@ pub fn dev_dir() -> Result<PathBuf, AgentError> {
         base.display()
     )))?;
     Ok(base)
+}
+
+/// The etcd client of the cluster section (nothing is sent yet: an etcd
+/// that is down shows when it is first used).
+fn connect_etcd(
+    c: &crate::config::ClusterConfig,
+) -> Result<crate::etcd::EtcdClient, crate::etcd::EtcdError> {
+    let tls = c.tls.as_ref().map(|t| crate::etcd::TlsOptions {
+        ca: t.ca.clone(),
+        identity: match (&t.cert, &t.key) {
+            (Some(cert), Some(key)) => Some(crate::etcd::ClientIdentity {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        },
+    });
+    crate::etcd::EtcdClient::connect(
+        &c.endpoints,
+        crate::etcd::EtcdOptions {
+            call_timeout: c.call_timeout,
+            tls,
+        },
+    )
 }

@@ -75,6 +75,7 @@ fn registry_status(e: &VolumeRegistryError) -> RpcStatus {
     let code = match e {
         VolumeRegistryError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
         VolumeRegistryError::InUse { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        VolumeRegistryError::Claims(_) => RpcStatusCode::UNAVAILABLE,
         VolumeRegistryError::State(_) => RpcStatusCode::INTERNAL,
     };
     status(code, crate::error_chain(e))

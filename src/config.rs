@@ -83,6 +83,33 @@ impl Default for Timeouts {
     }
 }
 
+/// Cluster mode: claims shared by every node through etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// etcd client URLs (`http://host:port` or `host:port`), tried in order
+    /// with failover.
+    pub endpoints: Vec<String>,
+    /// Every key claimd writes starts with this.
+    pub prefix: String,
+    /// TTL of this node's liveness lease (`<prefix>/nodes/<node>`).
+    pub lease_ttl: Duration,
+    /// Deadline of every etcd call.
+    pub call_timeout: Duration,
+    /// TLS to etcd (the `tls` build only).
+    pub tls: Option<ClusterTls>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterTls {
+    pub ca: PathBuf,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+pub const DEFAULT_CLUSTER_PREFIX: &str = "/claimd";
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
+pub const DEFAULT_ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub state_dir: PathBuf,
@@ -94,6 +121,8 @@ pub struct Config {
     /// This node's name in claims.
     pub node_name: String,
     pub timeouts: Timeouts,
+    /// None: one node, claims in the agent's own state.
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl Default for Config {
@@ -106,6 +135,7 @@ impl Default for Config {
             plugins: Vec::new(),
             node_name: local_hostname(),
             timeouts: Timeouts::default(),
+            cluster: None,
         }
     }
 }
@@ -126,6 +156,26 @@ struct RawConfig {
     claim_retry_deadline: Option<String>,
     mount_retry_deadline: Option<String>,
     release_retry_deadline: Option<String>,
+    cluster: Option<RawCluster>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    #[serde(default)]
+    endpoints: Vec<String>,
+    prefix: Option<String>,
+    lease_ttl: Option<String>,
+    call_timeout: Option<String>,
+    tls: Option<RawTls>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca: PathBuf,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -260,6 +310,80 @@ impl Config {
                 socket,
             });
         }
+        let cluster = match raw.cluster {
+            None => None,
+            Some(c) => {
+                if c.endpoints.is_empty() {
+                    return Err(field_err(
+                        "cluster.endpoints",
+                        "needs at least one etcd endpoint (http://host:port)".into(),
+                    ));
+                }
+                for (i, e) in c.endpoints.iter().enumerate() {
+                    crate::etcd::endpoint::parse_endpoint(e).map_err(|err| {
+                        field_err(&format!("cluster.endpoints[{i}]"), err.to_string())
+                    })?;
+                }
+                let prefix = c
+                    .prefix
+                    .unwrap_or_else(|| DEFAULT_CLUSTER_PREFIX.to_string());
+                let prefix_ok = prefix.starts_with('/')
+                    && prefix.len() > 1
+                    && !prefix.ends_with('/')
+                    && prefix
+                        .split('/')
+                        .skip(1)
+                        .all(|p| crate::ids::check_id("prefix", p).is_ok());
+                if !prefix_ok {
+                    return Err(field_err(
+                        "cluster.prefix",
+                        format!(
+                            "{prefix:?} must be like /claimd: a slash, then names of letters, digits, '.', '_' or '-' separated by slashes"
+                        ),
+                    ));
+                }
+                let lease_ttl = dur("cluster.lease_ttl", c.lease_ttl, DEFAULT_LEASE_TTL)?;
+                if lease_ttl < Duration::from_secs(2) {
+                    return Err(field_err(
+                        "cluster.lease_ttl",
+                        "must be at least 2s (etcd rounds shorter leases up)".into(),
+                    ));
+                }
+                let tls = match c.tls {
+                    None => None,
+                    Some(t) => {
+                        check_abs(&t.ca).map_err(|e| field_err("cluster.tls.ca", e))?;
+                        for (f, p) in [("cluster.tls.cert", &t.cert), ("cluster.tls.key", &t.key)] {
+                            if let Some(p) = p {
+                                check_abs(p).map_err(|e| field_err(f, e))?;
+                            }
+                        }
+                        if t.cert.is_some() != t.key.is_some() {
+                            return Err(field_err(
+                                "cluster.tls",
+                                "cert and key go together".into(),
+                            ));
+                        }
+                        Some(ClusterTls {
+                            ca: t.ca,
+                            cert: t.cert,
+                            key: t.key,
+                        })
+                    }
+                };
+                Some(ClusterConfig {
+                    endpoints: c.endpoints,
+                    prefix,
+                    lease_ttl,
+                    call_timeout: dur(
+                        "cluster.call_timeout",
+                        c.call_timeout,
+                        DEFAULT_ETCD_CALL_TIMEOUT,
+                    )?,
+                    tls,
+                })
+            }
+        };
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
         crate::ids::check_id("node", &node_name)
             .map_err(|e| field_err("node_name", e.to_string()))?;
@@ -270,6 +394,7 @@ impl Config {
             plugin_dir,
             plugins,
             node_name,
+            cluster,
             timeouts: Timeouts {
                 csi_call: dur(
                     "csi_call_timeout",

@@ -529,7 +529,7 @@ fn sigterm_during_stuck_release(fault: Value) {
     let state = w.agent.state();
     let a1 = &state["allocs"]["a1"];
     assert_eq!(a1["releasing"], true, "{state:#}");
-    assert_eq!(a1["volumes"]["data"]["phase"], "unpublishing", "{state:#}");
+    assert_eq!(a1["volumes"]["data"]["phase"], "releasing", "{state:#}");
     assert_eq!(state["claims"].as_array().expect("claims").len(), 1);
     assert!(w.agent.log().contains("signal 15 received"), "log");
 
@@ -1287,8 +1287,7 @@ fn a_unix_url_plugin_endpoint_is_used() {
         let socket = c.plugins[0].2.clone();
         c.plugins[0].2 = PathBuf::from(format!("unix://{}", socket.display()));
     });
-    w.agent
-        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.register(&volume_json("v", "ext-v", &["single-node-writer"]));
     w.wait_plugin_ready();
     let out = w
         .agent
@@ -1306,8 +1305,7 @@ fn a_unix_url_plugin_endpoint_is_used() {
 #[test]
 fn mount_retry_deadline_bounds_a_mount_that_keeps_failing() {
     let w = World::new(|c| c.mount_retry_deadline = Some("2s".into()));
-    w.agent
-        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.register(&volume_json("v", "ext-v", &["single-node-writer"]));
     w.wait_plugin_ready();
     w.plugin.faults().set(json!([
         {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
@@ -1360,8 +1358,7 @@ fn an_unknown_plugin_is_named_at_registration_and_fails_a_mount_at_once() {
         "{}",
         reg.stderr
     );
-    w.agent
-        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.register(&volume_json("v", "ext-v", &["single-node-writer"]));
     let list = w.agent.cli(&["volume", "list", "--json"]).ok().json();
     let health = |id: &str| {
         list["volumes"]
@@ -1401,8 +1398,7 @@ fn an_unknown_plugin_is_named_at_registration_and_fails_a_mount_at_once() {
 #[test]
 fn a_failed_mount_leaves_a_clear_status_and_progress_is_not_an_error() {
     let w = World::new(|c| c.mount_retry_deadline = Some("3s".into()));
-    w.agent
-        .register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.register(&volume_json("v", "ext-v", &["single-node-writer"]));
     w.wait_plugin_ready();
     w.plugin.faults().set(json!([
         {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 1000}

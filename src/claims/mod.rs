@@ -19,10 +19,12 @@ use crate::state::{StateError, StateFile};
 use crate::volumes::AccessMode;
 
 mod embedded;
+pub mod etcd;
 mod rules;
 
 pub use crate::state::{Claim, ClaimMode, ClaimState};
 pub use embedded::EmbeddedClaims;
+pub use etcd::EtcdClaims;
 pub use rules::check_claim;
 
 /// What a take asks for.
@@ -128,8 +130,13 @@ pub trait ClaimStore: Send + Sync {
     /// change. A failed local write is the `Err`; refusals of single
     /// changes are in the outcomes.
     fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError>;
-    /// Every claim the store holds (in cluster stores: every node's).
+    /// Every claim the store holds (in cluster stores: every node's);
+    /// empty when the store cannot answer (see `try_list`).
     fn list(&self) -> Vec<Claim>;
+    /// Every claim, or why the store cannot tell now.
+    fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
+        Ok(self.list())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -154,6 +161,16 @@ pub enum ClaimError {
     /// asked again).
     Unavailable {
         store: String,
+        reason: String,
+    },
+    /// The store refused the change for good (permissions, a bad request).
+    Store {
+        store: String,
+        reason: String,
+    },
+    /// A stored value that is not a claim; it is left untouched.
+    Corrupt {
+        key: String,
         reason: String,
     },
 }
@@ -196,6 +213,13 @@ impl fmt::Display for ClaimError {
             ClaimError::Unavailable { store, reason } => {
                 write!(f, "the claim store {store} is unavailable: {reason}")
             }
+            ClaimError::Store { store, reason } => {
+                write!(f, "the claim store {store} refused the change: {reason}")
+            }
+            ClaimError::Corrupt { key, reason } => write!(
+                f,
+                "the claim store holds a value at {key} that is not a claim ({reason}); it is left untouched: fix or remove it by hand"
+            ),
         }
     }
 }

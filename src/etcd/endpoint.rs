@@ -4,7 +4,7 @@ use super::EtcdError;
 
 /// The scheme an endpoint was written with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Scheme {
+pub enum Scheme {
     Http,
     Https,
     /// `host:port`: TLS follows the client's settings.
@@ -13,7 +13,7 @@ pub(crate) enum Scheme {
 
 /// `[http://|https://]host:port[/]` -> (`host:port`, scheme). The host is a
 /// name, an IPv4 address or a bracketed IPv6 address.
-pub(crate) fn parse_endpoint(given: &str) -> Result<(String, Scheme), EtcdError> {
+pub fn parse_endpoint(given: &str) -> Result<(String, Scheme), EtcdError> {
     let bad = |reason| EtcdError::BadEndpoint {
         endpoint: given.to_string(),
         reason,

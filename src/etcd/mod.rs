@@ -14,7 +14,7 @@ pub(crate) mod grpc {
 }
 
 mod client;
-mod endpoint;
+pub mod endpoint;
 mod error;
 mod keepalive;
 mod kv;

@@ -160,11 +160,15 @@ pub fn step(
         }
         Call::NodeUnstage => {
             let staging = rec.staging_path.clone().unwrap_or_default();
-            let others = core.store.read(|s| s.staging_users(&staging, me));
+            let (past, _) = core.progress.past_teardown();
+            let others = core
+                .store
+                .read(|s| s.staging_users_but(&staging, me, &past));
             if rec.holds_staging && others == 0 {
                 let node = core
                     .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
                     .map_err(StepError::Plugin)?;
+                core.progress.set_staged(&staging, false);
                 failpoints::hit("before-node-unstage");
                 match node
                     .client
@@ -178,21 +182,33 @@ pub fn step(
                 let _ = std::fs::remove_dir(&staging);
                 core.paths.remove_empty_parents(&staging);
             }
+            // Unstaged, or left to the users still there: this record no
+            // longer counts as one.
+            core.progress.passed_staging(alloc_id, alias);
         }
         Call::ControllerUnpublish => {
             if let Some(redo) = settle(core, alloc_id, alias, &rec)? {
                 down.redo_from(redo);
                 return Ok(Step::Next);
             }
+            // Past the unstage step (also when it was left out: nothing
+            // was staged for this record in this run).
+            core.progress.passed_staging(alloc_id, alias);
+            let (_, past) = core.progress.past_teardown();
             let others = core
                 .store
-                .read(|s| s.attachment_users(&rec.volume_id, me).len());
+                .read(|s| s.attachment_users_but(&rec.volume_id, me, &past));
             if rec.holds_attachment && others == 0 {
                 let c = core
                     .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
                     .map_err(StepError::Plugin)?;
                 let spec = core.spec(&rec.volume_id);
                 let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
+                core.progress.set_attachment(
+                    &rec.volume_id,
+                    rec.external_node_id.as_deref().unwrap_or_default(),
+                    None,
+                );
                 failpoints::hit("before-controller-unpublish");
                 match c.client.controller_unpublish_volume(&req) {
                     Err(e) if !e.is_ignorable() => return Err(e.into()),
@@ -200,13 +216,20 @@ pub fn step(
                 }
                 failpoints::hit("after-controller-unpublish");
             }
+            core.progress.passed_attachment(alloc_id, alias);
         }
         Call::FreeClaim => {
             if let Some(redo) = settle(core, alloc_id, alias, &rec)? {
                 down.redo_from(redo);
                 return Ok(Step::Next);
             }
-            return core.free_and_drop(alloc_id, alias, &rec.volume_id);
+            core.progress.passed_staging(alloc_id, alias);
+            core.progress.passed_attachment(alloc_id, alias);
+            let done = core.free_and_drop(alloc_id, alias, &rec.volume_id);
+            if done.is_ok() {
+                core.progress.forget_teardown(alloc_id, alias);
+            }
+            return done;
         }
     }
     down.done();
@@ -257,9 +280,10 @@ fn settle(
         return Ok(Some(Call::NodeUnpublish));
     }
     if let Some(staging) = &rec.staging_path {
+        let (past, _) = core.progress.past_teardown();
         let others = core
             .store
-            .read(|s| s.staging_users(staging, (alloc_id, alias)));
+            .read(|s| s.staging_users_but(staging, (alloc_id, alias), &past));
         if others == 0 && mounted(staging)? {
             log::warn!(
                 "release of {alloc_id}/{alias}: {} became a mount point after a timed-out call; unstaging again",

@@ -321,7 +321,12 @@ impl From<StateError> for ReleaseError {
 #[derive(Debug)]
 pub enum VolumeRegistryError {
     Invalid(SpecError),
-    InUse { volume_id: String, holder: String },
+    InUse {
+        volume_id: String,
+        holder: String,
+    },
+    /// The claim store cannot tell whether the volume is claimed.
+    Claims(ClaimError),
     State(StateError),
 }
 
@@ -334,6 +339,9 @@ impl fmt::Display for VolumeRegistryError {
                 "volume {volume_id} is in use by allocation {holder}; release it first"
             ),
             VolumeRegistryError::State(_) => write!(f, "the volume registry could not be saved"),
+            VolumeRegistryError::Claims(_) => {
+                write!(f, "cannot tell whether the volume is claimed")
+            }
         }
     }
 }
@@ -342,6 +350,7 @@ impl std::error::Error for VolumeRegistryError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             VolumeRegistryError::State(e) => Some(e),
+            VolumeRegistryError::Claims(e) => Some(e),
             _ => None,
         }
     }

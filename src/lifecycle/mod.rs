@@ -158,7 +158,12 @@ impl Lifecycle {
     }
 
     fn refuse_if_claimed(&self, id: &str) -> Result<(), VolumeRegistryError> {
-        match self.list_claims().into_iter().find(|c| c.volume_id == id) {
+        let claims = self
+            .core
+            .claims
+            .try_list()
+            .map_err(VolumeRegistryError::Claims)?;
+        match claims.into_iter().find(|c| c.volume_id == id) {
             Some(c) => Err(VolumeRegistryError::InUse {
                 volume_id: id.to_string(),
                 holder: c.alloc_id,

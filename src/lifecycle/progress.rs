@@ -2,7 +2,7 @@
 //! have a mount running, which release workers run, the latest release
 //! report of every volume, and what a running mount waits on.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -82,6 +82,20 @@ struct Inner {
     /// run (so a rollback undoes only what was sent; after a restart the
     /// history is unknown and the whole way down is redone).
     sent: HashMap<Key, SentUp>,
+    /// (volume, external node ID) -> the publish context of a
+    /// ControllerPublish that answered in this run and has not been undone:
+    /// other users of the volume share it instead of calling again.
+    attachments: HashMap<(String, String), BTreeMap<String, String>>,
+    /// Staging paths whose NodeStage answered in this run and that have not
+    /// been unstaged since.
+    stagings: HashSet<std::path::PathBuf>,
+    /// Records whose way down passed its NodeUnstage step (unstaged, or
+    /// left the staging to other users) in this run: they no longer count
+    /// as users of the staging path, though their flag stays until the
+    /// record is dropped (a crash redoes the step, and recounts).
+    past_staging: BTreeSet<Key>,
+    /// The same for the ControllerUnpublish step and the attachment.
+    past_attachment: BTreeSet<Key>,
     /// (alloc, alias) -> when a call of that volume timed out (it may still
     /// be carried out by the plugin).
     uncertain: HashMap<Key, Instant>,
@@ -178,6 +192,72 @@ impl Progress {
     /// Forgets the history of a volume (published, or released).
     pub fn forget_sent(&self, alloc_id: &str, alias: &str) {
         self.inner.lock().sent.remove(&key(alloc_id, alias));
+    }
+
+    /// A ControllerPublish answered (Some) or an unpublish is about to be
+    /// sent (None). Changed under the volume's operation lock only.
+    pub fn set_attachment(
+        &self,
+        volume_id: &str,
+        node_id: &str,
+        ctx: Option<BTreeMap<String, String>>,
+    ) {
+        let mut p = self.inner.lock();
+        let k = (volume_id.to_string(), node_id.to_string());
+        match ctx {
+            Some(c) => p.attachments.insert(k, c),
+            None => p.attachments.remove(&k),
+        };
+    }
+
+    pub fn attachment(&self, volume_id: &str, node_id: &str) -> Option<BTreeMap<String, String>> {
+        self.inner
+            .lock()
+            .attachments
+            .get(&(volume_id.to_string(), node_id.to_string()))
+            .cloned()
+    }
+
+    /// A NodeStage answered (true) or an unstage is about to be sent.
+    pub fn set_staged(&self, path: &std::path::Path, staged: bool) {
+        let mut p = self.inner.lock();
+        if staged {
+            p.stagings.insert(path.to_path_buf());
+        } else {
+            p.stagings.remove(path);
+        }
+    }
+
+    pub fn is_staged(&self, path: &std::path::Path) -> bool {
+        self.inner.lock().stagings.contains(path)
+    }
+
+    /// The volume's way down passed its NodeUnstage step.
+    pub fn passed_staging(&self, alloc_id: &str, alias: &str) {
+        self.inner.lock().past_staging.insert(key(alloc_id, alias));
+    }
+
+    /// The volume's way down passed its ControllerUnpublish step.
+    pub fn passed_attachment(&self, alloc_id: &str, alias: &str) {
+        self.inner
+            .lock()
+            .past_attachment
+            .insert(key(alloc_id, alias));
+    }
+
+    /// Records past their NodeUnstage step, and past their
+    /// ControllerUnpublish step.
+    pub fn past_teardown(&self) -> (BTreeSet<Key>, BTreeSet<Key>) {
+        let p = self.inner.lock();
+        (p.past_staging.clone(), p.past_attachment.clone())
+    }
+
+    /// The record is gone: forget what its way down passed.
+    pub fn forget_teardown(&self, alloc_id: &str, alias: &str) {
+        let mut p = self.inner.lock();
+        let k = key(alloc_id, alias);
+        p.past_staging.remove(&k);
+        p.past_attachment.remove(&k);
     }
 
     pub fn message(&self, alloc_id: &str, alias: &str) -> String {

@@ -138,10 +138,16 @@ pub fn step(
     };
     match call {
         Call::ControllerPublish => {
-            // Attached to this node for another allocation already?
-            let shared = core.store.read(|s| {
-                s.established_attachment(&rec.volume_id, rec.external_node_id.as_deref(), me)
-            });
+            // Attached to this node for another allocation already (in
+            // this run, or by a record whose mount is there now)?
+            let node_id = rec.external_node_id.clone().unwrap_or_default();
+            let shared = core
+                .progress
+                .attachment(&rec.volume_id, &node_id)
+                .or_else(|| {
+                    core.store
+                        .read(|s| s.established_attachment(&rec.volume_id, Some(&node_id), me))
+                });
             let ctx = match shared {
                 Some(ctx) => ctx,
                 None => {
@@ -158,6 +164,8 @@ pub fn step(
                     failpoints::hit("before-controller-publish");
                     let ctx = c.client.controller_publish_volume(&req)?;
                     failpoints::hit("after-controller-publish");
+                    core.progress
+                        .set_attachment(&rec.volume_id, &node_id, Some(ctx.clone()));
                     ctx
                 }
             };
@@ -165,7 +173,9 @@ pub fn step(
         }
         Call::NodeStage => {
             let staging = rec.staging_path.clone().unwrap_or_default();
-            if !core.store.read(|s| s.staging_established(&staging, me)) {
+            let shared = core.progress.is_staged(&staging)
+                || core.store.read(|s| s.staging_established(&staging, me));
+            if !shared {
                 create_dir(&staging)?;
                 let req = requests::node_stage(sent.volume_ref(), &spec);
                 core.progress
@@ -173,6 +183,7 @@ pub fn step(
                 failpoints::hit("before-node-stage");
                 node.client.node_stage_volume(&req)?;
                 failpoints::hit("after-node-stage");
+                core.progress.set_staged(&staging, true);
             }
         }
         Call::NodePublish => {

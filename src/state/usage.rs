@@ -4,7 +4,7 @@
 //! from the write that sets its `holds_*` flag (before the call it stands
 //! for) until the write that clears it (after the teardown call).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use super::model::{AllocVolume, Phase, StateFile};
@@ -15,9 +15,36 @@ pub type RecordKey<'a> = (&'a str, &'a str);
 impl StateFile {
     /// Other records that hold the staging path `path`.
     pub fn staging_users(&self, path: &Path, except: RecordKey<'_>) -> usize {
+        self.staging_users_but(path, except, &BTreeSet::new())
+    }
+
+    /// Other records that hold the staging path `path`, leaving out those
+    /// in `past` (their way down already passed its unstage step).
+    pub fn staging_users_but(
+        &self,
+        path: &Path,
+        except: RecordKey<'_>,
+        past: &BTreeSet<(String, String)>,
+    ) -> usize {
         self.alloc_volumes()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
+            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .filter(|(_, v)| v.holds_staging && v.staging_path.as_deref() == Some(path))
+            .count()
+    }
+
+    /// Other records that hold the attachment of `volume_id`, leaving out
+    /// those in `past` (their way down already passed its detach step).
+    pub fn attachment_users_but(
+        &self,
+        volume_id: &str,
+        except: RecordKey<'_>,
+        past: &BTreeSet<(String, String)>,
+    ) -> usize {
+        self.alloc_volumes()
+            .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
+            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
+            .filter(|(_, v)| v.holds_attachment && v.volume_id == volume_id)
             .count()
     }
 

@@ -1,0 +1,259 @@
+//! The etcd claim store (cluster mode): claims shared by every node of a
+//! cluster, under `<prefix>/claims/<volume>/<alloc>` as JSON.
+//!
+//! Claims change only by `Txn` with revision compares (optimistic
+//! concurrency): a take reads the volume's claims, checks the access-mode
+//! rules against them, and writes its claim only if no claim of the volume
+//! changed since the read (a compare on the mod revision of the whole key
+//! range; an empty range holds). Two nodes can never both hold a
+//! single-writer volume, and single-node modes keep every claim on one
+//! node, whatever the timing. Claims are never tied to a lease: a node cut
+//! off from the cluster keeps its claims.
+//!
+//! Every round trip is made outside every state lock; the local record is
+//! written after it. An unreachable etcd is `Unavailable` (retried by the
+//! lifecycle); a value that is not a claim is `Corrupt` and is never
+//! overwritten.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::{check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, Transaction};
+use crate::etcd::{Compare, CompareOp, EtcdClient, EtcdError, KeyValue, TxnOp};
+use crate::state::{Claim, ClaimState, StateError, StateStore};
+
+/// How often a change is tried again when another node changed the same
+/// volume's claims between the read and the write.
+const CONFLICT_ATTEMPTS: usize = 32;
+
+/// A claim as stored in etcd.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredClaim {
+    pub claim: Claim,
+    /// When the claim was taken (milliseconds since the epoch).
+    pub taken_at_ms: u64,
+}
+
+/// Claims in etcd, shared by the cluster.
+pub struct EtcdClaims {
+    client: EtcdClient,
+    /// Without a trailing slash, e.g. `/claimd`.
+    prefix: String,
+    state: Arc<StateStore>,
+}
+
+impl EtcdClaims {
+    pub fn new(client: EtcdClient, prefix: &str, state: Arc<StateStore>) -> EtcdClaims {
+        EtcdClaims {
+            client,
+            prefix: prefix.trim_end_matches('/').to_string(),
+            state,
+        }
+    }
+
+    fn all_prefix(&self) -> String {
+        format!("{}/claims/", self.prefix)
+    }
+
+    fn volume_prefix(&self, volume_id: &str) -> String {
+        format!("{}/claims/{volume_id}/", self.prefix)
+    }
+
+    fn key(&self, volume_id: &str, alloc_id: &str) -> String {
+        format!("{}/claims/{volume_id}/{alloc_id}", self.prefix)
+    }
+
+    /// Every claim with its stored form, oldest first by key.
+    pub fn list_stored(&self) -> Result<Vec<StoredClaim>, ClaimError> {
+        let r = self
+            .client
+            .range_prefix(self.all_prefix())
+            .map_err(unavailable)?;
+        r.kvs.iter().map(parse).collect()
+    }
+
+    fn apply(&self, change: &ClaimChange) -> Result<(), ClaimError> {
+        match change {
+            ClaimChange::Take(req) => self.take(req),
+            ClaimChange::Attach {
+                volume_id,
+                alloc_id,
+                external_node_id,
+                publish_context,
+            } => self.update(volume_id, alloc_id, |c| {
+                c.external_node_id = Some(external_node_id.clone());
+                c.publish_context = publish_context.clone();
+            }),
+            ClaimChange::MarkReleasing {
+                volume_id,
+                alloc_id,
+            } => self.update(volume_id, alloc_id, |c| c.state = ClaimState::Releasing),
+            ClaimChange::Free {
+                volume_id,
+                alloc_id,
+            } => {
+                self.client
+                    .delete_range(self.key(volume_id, alloc_id), "")
+                    .map_err(unavailable)?;
+                Ok(())
+            }
+        }
+    }
+
+    fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
+        let prefix = self.volume_prefix(&req.volume_id);
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let r = self.client.range_prefix(&prefix).map_err(unavailable)?;
+            let mut others = Vec::new();
+            for kv in &r.kvs {
+                let c = parse(kv)?.claim;
+                if c.alloc_id != req.alloc_id {
+                    others.push(c);
+                    continue;
+                }
+                if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
+                    return Ok(());
+                }
+                return Err(ClaimError::Impossible {
+                    volume_id: req.volume_id.clone(),
+                    reason: format!(
+                        "allocation {} already holds it with another mode ({} {} on node {})",
+                        req.alloc_id,
+                        c.mode.name(),
+                        c.access_mode,
+                        c.node
+                    ),
+                });
+            }
+            check_claim(req, &others.iter().collect::<Vec<_>>())?;
+            let stored = StoredClaim {
+                claim: Claim {
+                    volume_id: req.volume_id.clone(),
+                    alloc_id: req.alloc_id.clone(),
+                    node: req.node.clone(),
+                    mode: req.mode,
+                    access_mode: req.access_mode,
+                    external_node_id: None,
+                    publish_context: Default::default(),
+                    state: ClaimState::Taken,
+                },
+                taken_at_ms: now_ms(),
+            };
+            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            // Nothing of this volume's claims changed since the read.
+            let unchanged =
+                Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
+                    .with_prefix();
+            let t = self
+                .client
+                .txn(
+                    &[unchanged],
+                    &[TxnOp::put(self.key(&req.volume_id, &req.alloc_id), value)],
+                    &[],
+                )
+                .map_err(unavailable)?;
+            if t.succeeded {
+                return Ok(());
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!(
+                "the claims of volume {} kept changing while this node tried to take one",
+                req.volume_id
+            ),
+        })
+    }
+
+    /// Changes this allocation's claim, if it is held (a claim not held
+    /// has nothing to change).
+    fn update(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        f: impl Fn(&mut Claim),
+    ) -> Result<(), ClaimError> {
+        let key = self.key(volume_id, alloc_id);
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
+                return Ok(());
+            };
+            let mut stored = parse(&kv)?;
+            f(&mut stored.claim);
+            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
+            let t = self
+                .client
+                .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
+                .map_err(unavailable)?;
+            if t.succeeded {
+                return Ok(());
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("claim {key} kept changing"),
+        })
+    }
+}
+
+impl ClaimStore for EtcdClaims {
+    fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError> {
+        if !self.state.read(txn.wanted) {
+            return Ok(Applied::NotWanted);
+        }
+        // The round trips first, outside every state lock; then the record.
+        let outcomes: Vec<_> = txn.changes.iter().map(|c| self.apply(c)).collect();
+        let record = txn.record;
+        self.state.update(|s| -> Result<(), StateError> {
+            record(s, &outcomes);
+            Ok(())
+        })?;
+        Ok(Applied::Done(outcomes))
+    }
+
+    fn list(&self) -> Vec<Claim> {
+        match self.try_list() {
+            Ok(v) => v,
+            Err(e) => {
+                log::warn!("cannot list the claims: {e}");
+                Vec::new()
+            }
+        }
+    }
+
+    fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
+        Ok(self.list_stored()?.into_iter().map(|s| s.claim).collect())
+    }
+}
+
+fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
+    serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })
+}
+
+fn unavailable(e: EtcdError) -> ClaimError {
+    if e.is_retryable() {
+        ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: crate::error_chain(&e),
+        }
+    } else {
+        ClaimError::Store {
+            store: "etcd".to_string(),
+            reason: crate::error_chain(&e),
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

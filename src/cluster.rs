@@ -1,0 +1,146 @@
+//! Cluster mode's node liveness: `<prefix>/nodes/<node>` attached to a
+//! lease this agent keeps alive from a named thread (`etcd-liveness`).
+//! Claims are never tied to the lease: a node cut off from the cluster
+//! keeps its claims and mounts; the lease only tells the others whether it
+//! is alive. An etcd that cannot be reached is retried with backoff for as
+//! long as the agent runs; nothing here is ever fatal.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::etcd::EtcdClient;
+use crate::retry::{Backoff, BackoffPolicy};
+use crate::shutdown::Shutdown;
+use crate::threads::Threads;
+
+/// Retries of the lease grant and registration while etcd is unreachable.
+const LIVENESS_BACKOFF: BackoffPolicy =
+    BackoffPolicy::new(Duration::from_millis(500), Duration::from_secs(10));
+
+/// What `nodes/<node>` holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node: String,
+    pub pid: u32,
+    pub started_at_ms: u64,
+    pub version: String,
+}
+
+/// Where this node's liveness stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Liveness {
+    /// The lease is held and was renewed at this time.
+    pub renewed: Option<Instant>,
+    /// The last failure, while the lease is not held.
+    pub last_error: Option<String>,
+}
+
+pub struct NodeLiveness {
+    status: Arc<Mutex<Liveness>>,
+    threads: Mutex<Option<Threads>>,
+}
+
+/// The key of a node's liveness record.
+pub fn node_key(prefix: &str, node: &str) -> String {
+    format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
+}
+
+impl NodeLiveness {
+    /// Starts keeping `<prefix>/nodes/<node>` alive.
+    pub fn start(
+        client: EtcdClient,
+        prefix: &str,
+        node: &str,
+        ttl: Duration,
+        shutdown: Shutdown,
+    ) -> std::io::Result<NodeLiveness> {
+        let status = Arc::new(Mutex::new(Liveness::default()));
+        let mut threads = Threads::new();
+        let (key, node, st) = (node_key(prefix, node), node.to_string(), status.clone());
+        threads.spawn("etcd-liveness".to_string(), move || {
+            run(&client, &key, &node, ttl, &shutdown, &st)
+        })?;
+        Ok(NodeLiveness {
+            status,
+            threads: Mutex::new(Some(threads)),
+        })
+    }
+
+    pub fn status(&self) -> Liveness {
+        self.status.lock().clone()
+    }
+
+    /// Joins the thread (after the stop was triggered) up to `deadline`.
+    pub fn join(&self, deadline: Instant) -> Vec<String> {
+        self.threads
+            .lock()
+            .take()
+            .map(|t| t.join_until(deadline))
+            .unwrap_or_default()
+    }
+}
+
+fn run(
+    client: &EtcdClient,
+    key: &str,
+    node: &str,
+    ttl: Duration,
+    shutdown: &Shutdown,
+    status: &Mutex<Liveness>,
+) {
+    let record = NodeRecord {
+        node: node.to_string(),
+        pid: std::process::id(),
+        started_at_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let value = serde_json::to_vec(&record).expect("a node record always encodes");
+    let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    let mut backoff = Backoff::new(LIVENESS_BACKOFF, far);
+    while !shutdown.is_triggered() {
+        let held = client.lease_grant(ttl).and_then(|lease| {
+            client.put_with_lease(key, &value, lease)?;
+            client.keep_alive(lease)
+        });
+        let keep_alive = match held {
+            Ok(k) => k,
+            Err(e) => {
+                log::warn!(
+                    "cluster: cannot keep {key} alive: {} (retrying)",
+                    crate::error_chain(&e)
+                );
+                status.lock().last_error = Some(crate::error_chain(&e));
+                if backoff.wait(shutdown).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        log::info!("cluster: {key} registered (lease TTL {ttl:?})");
+        backoff.reset();
+        *status.lock() = Liveness {
+            renewed: Some(keep_alive.last_renewed()),
+            last_error: None,
+        };
+        // Renewal happens on the keep-alive's own thread; this one reports
+        // and notices a lease etcd says is gone.
+        while !keep_alive.is_lost() {
+            if !shutdown.sleep(ttl / 3) {
+                // Stopping: the lease is left to expire (a restart is
+                // usually quick; the claims are not tied to it anyway).
+                keep_alive.stop();
+                return;
+            }
+            status.lock().renewed = Some(keep_alive.last_renewed());
+        }
+        log::warn!("cluster: the lease of {key} was lost; registering again");
+        status.lock().last_error = Some("the lease was lost".to_string());
+        keep_alive.stop();
+    }
+}
