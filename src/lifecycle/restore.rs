@@ -29,6 +29,14 @@ pub struct RestoreReport {
     pub errors: Vec<String>,
 }
 
+/// How far a restore got: allocations on record, and those done (intact,
+/// released in the background, or mounted again).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RestoreProgress {
+    pub allocations: usize,
+    pub done: usize,
+}
+
 /// What the records ask for, sorted by what must happen.
 #[derive(Default)]
 struct Plan {
@@ -68,7 +76,7 @@ fn plan(snapshot: &StateFile, table: &MountTable, rebooted: bool) -> Plan {
     p
 }
 
-pub fn restore(core: &Arc<Core>) -> RestoreReport {
+pub fn restore(core: &Arc<Core>, progress: &dyn Fn(RestoreProgress)) -> RestoreReport {
     failpoints::hit("restore-start");
     let mut report = RestoreReport::default();
     let table = match MountTable::read() {
@@ -84,7 +92,14 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     if rebooted {
         log::info!("the node rebooted since the state was written: every recorded mount is redone");
     }
-    let p = plan(&core.store.snapshot(), &table, rebooted);
+    let snapshot = core.store.snapshot();
+    let p = plan(&snapshot, &table, rebooted);
+    let mut told = RestoreProgress {
+        allocations: snapshot.allocs.len(),
+        done: snapshot.allocs.len() - p.to_mount.len(),
+    };
+    drop(snapshot);
+    progress(told);
     report.intact = p.intact;
     // Gone mounts go back to their first node step, in one write, which
     // also records this boot.
@@ -107,7 +122,10 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     }
     report.remounted = p.remount.len();
     resume_releases(core, &p.to_release, &mut report);
-    finish_mounts(core, &p.to_mount, &mut report);
+    finish_mounts(core, &p.to_mount, &mut report, &mut |n| {
+        told.done += n;
+        progress(told);
+    });
     log::info!(
         "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} still running, {} release(s) resumed, {} error(s)",
         report.intact,
@@ -144,7 +162,12 @@ fn resume_releases(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport)
 /// mount that waits out a held claim (or a plugin that does not come back)
 /// goes on in the background, so it cannot keep the API, and with it the
 /// release that would free the claim, away.
-fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
+fn finish_mounts(
+    core: &Arc<Core>,
+    ids: &[String],
+    report: &mut RestoreReport,
+    finished: &mut dyn FnMut(usize),
+) {
     let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
     let mut started = 0;
     for id in ids {
@@ -182,9 +205,13 @@ fn finish_mounts(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport) {
     let mut failed = 0;
     for _ in 0..started {
         match rx.recv_deadline(deadline) {
-            Ok((_, Ok(()))) => report.mounts_finished += 1,
+            Ok((_, Ok(()))) => {
+                report.mounts_finished += 1;
+                finished(1);
+            }
             Ok((id, Err(e))) => {
                 failed += 1;
+                finished(1);
                 report
                     .errors
                     .push(format!("{id}: {}", crate::error_chain(&e)));

@@ -32,6 +32,11 @@ OPTIONS:
     --max-volumes-per-node N    reported by NodeGetInfo and enforced by
                                 ControllerPublishVolume (RESOURCE_EXHAUSTED) [default: 0,
                                 no limit]
+    --volume-stats              advertise GET_VOLUME_STATS and VOLUME_CONDITION:
+                                NodeGetVolumeStats answers statvfs of the volume
+                                path; a file <root>/abnormal/<volume_id> makes the
+                                volume abnormal, its content the message (without
+                                the flag: UNIMPLEMENTED)
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
                                 publish_context other than ControllerPublish's, or a
                                 volume_context other than CreateVolume's
@@ -64,6 +69,7 @@ pub struct Config {
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
+    pub volume_stats: bool,
 }
 
 pub enum Parsed {
@@ -101,6 +107,7 @@ impl Config {
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
+            volume_stats: false,
         };
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
@@ -138,13 +145,14 @@ impl Config {
                             ))
                         })?;
                 }
-                "--no-stage" | "--no-controller" | "--require-contexts" => {
+                "--no-stage" | "--no-controller" | "--require-contexts" | "--volume-stats" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
                     }
                     match flag.as_str() {
                         "--no-stage" => config.stage = false,
                         "--no-controller" => config.controller = false,
+                        "--volume-stats" => config.volume_stats = true,
                         _ => config.require_contexts = true,
                     }
                 }
