@@ -10,10 +10,13 @@ use crate::api::ApiServer;
 use crate::claims::{ClaimStore, EmbeddedClaims, EtcdClaims};
 use crate::cluster::NodeLiveness;
 use crate::config::Config;
-use crate::lifecycle::{Lifecycle, LifecycleOptions};
+use crate::lifecycle::{Lifecycle, LifecycleOptions, RestoreProgress};
+use crate::observe::Observer;
 use crate::plugins::{Registry, RegistryOptions};
 use crate::shutdown::Shutdown;
 use crate::state::{StateError, StateStore};
+use crate::systemd::Notifier;
+use crate::threads::Threads;
 
 /// How long `--dev` waits for its own releases on stop before giving up.
 pub const DEV_RELEASE_DEADLINE: Duration = Duration::from_secs(10);
@@ -30,6 +33,12 @@ pub enum AgentError {
     },
     /// The cluster section names endpoints or TLS files etcd cannot use.
     Cluster(crate::etcd::EtcdError),
+    /// `metrics_listen` cannot be bound (in use, not local, or the unit's
+    /// RestrictAddressFamilies= leaves out its family).
+    MetricsListen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 impl fmt::Display for AgentError {
@@ -39,6 +48,13 @@ impl fmt::Display for AgentError {
             AgentError::Api(e) => e.fmt(f),
             AgentError::Io { what, .. } => f.write_str(what),
             AgentError::Cluster(_) => f.write_str("cluster mode cannot start"),
+            AgentError::MetricsListen { addr, source } => {
+                write!(f, "config field metrics_listen: cannot listen on {addr}")?;
+                if source.raw_os_error() == Some(libc::EAFNOSUPPORT) {
+                    f.write_str(" (under systemd, allow its address family: RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 in a drop-in)")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -48,7 +64,9 @@ impl std::error::Error for AgentError {
         match self {
             AgentError::State(e) => e.source(),
             AgentError::Api(e) => e.source(),
-            AgentError::Io { source, .. } => Some(source),
+            AgentError::Io { source, .. } | AgentError::MetricsListen { source, .. } => {
+                Some(source)
+            }
             AgentError::Cluster(e) => Some(e),
         }
     }
@@ -73,20 +91,38 @@ pub struct Agent {
     pub lifecycle: Lifecycle,
     pub registry: Registry,
     pub dev: bool,
+    pub observer: Observer,
     api: ApiServer,
     /// Cluster mode: this node's liveness in etcd.
     liveness: Option<NodeLiveness>,
+    /// The watchdog, the volume stats poller and the metrics listener.
+    threads: Threads,
+    notifier: Notifier,
 }
 
 impl Agent {
     /// Opens the state, starts the plugin registry and restores every
     /// recorded allocation.
     pub fn start(config: Config, dev: bool, shutdown: Shutdown) -> Result<Agent, AgentError> {
+        // A bad metrics address stops the start before anything else.
+        let listener = match config.metrics_listen {
+            Some(addr) => Some(
+                crate::observe::http::bind(addr)
+                    .map_err(|source| AgentError::MetricsListen { addr, source })?,
+            ),
+            None => None,
+        };
+        let notifier = Notifier::from_env();
+        notifier.status("opening the state");
         std::fs::create_dir_all(&config.mount_root).map_err(io_err(format!(
             "failed to create mount root {}",
             config.mount_root.display()
         )))?;
         let store = Arc::new(StateStore::open(&config.state_dir)?);
+        let mut threads = Threads::new();
+        if let Some(every) = crate::systemd::watchdog_interval() {
+            start_watchdog(&mut threads, &notifier, &store, every, &shutdown)?;
+        }
         log::info!(
             "state file {} loaded ({} allocation(s), {} volume(s), {} claim(s))",
             store.path().display(),
@@ -137,39 +173,72 @@ impl Agent {
         opts.uncertain_settle = config.timeouts.csi_call;
         opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
-        let report = lifecycle.restore();
+        let report = lifecycle.restore_with(&|p: RestoreProgress| {
+            notifier.status(&format!(
+                "restoring {} allocations, {} done",
+                p.allocations, p.done
+            ));
+        });
         for e in &report.errors {
             log::error!("restore: {e}");
         }
         // Requests are served only once the restore has run.
-        let api =
-            match ApiServer::start(env, &config.api_socket, lifecycle.clone(), registry.clone()) {
-                Ok(api) => api,
-                Err(e) => {
-                    shutdown.trigger();
-                    let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
-                    lifecycle.join(deadline);
-                    registry.join(deadline);
-                    if let Some(l) = &liveness {
-                        l.join(deadline);
-                    }
-                    return Err(AgentError::Api(e));
+        let observer = Observer::new(lifecycle.clone(), registry.clone());
+        let fail = |e: AgentError, threads: Threads| {
+            shutdown.trigger();
+            let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
+            lifecycle.join(deadline);
+            registry.join(deadline);
+            threads.join_until(deadline);
+            if let Some(l) = &liveness {
+                l.join(deadline);
+            }
+            Err(e)
+        };
+        let api = match ApiServer::start(env, &config.api_socket, observer.clone()) {
+            Ok(api) => api,
+            Err(e) => return fail(AgentError::Api(e), threads),
+        };
+        let started = observer
+            .start_volume_stats(&mut threads, config.volume_stats_interval, shutdown.clone())
+            .map_err(io_err("failed to start the volume stats poller"))
+            .and_then(|()| match listener {
+                Some(l) => {
+                    crate::observe::http::start(l, observer.clone(), &mut threads, shutdown.clone())
+                        .map_err(io_err("failed to start the metrics listener"))
                 }
-            };
+                None => Ok(()),
+            });
+        if let Err(e) = started {
+            return fail(e, threads);
+        }
+        // Ready once the API answers (the restore is done by now).
+        if notifier.enabled() && std::os::unix::net::UnixStream::connect(&config.api_socket).is_ok()
+        {
+            let allocs = lifecycle.store().read(|s| s.allocs.len());
+            notifier.notify(&format!(
+                "READY=1\nSTATUS=ready: {allocs} allocations, {} restored in the background",
+                report.in_background
+            ));
+        }
         Ok(Agent {
             config,
             shutdown,
             lifecycle,
             registry,
             dev,
+            observer,
             api,
             liveness,
+            threads,
+            notifier,
         })
     }
 
     /// Stops: in dev mode releases everything first (bounded), then stops
     /// every loop and joins the threads within the CSI deadline plus slack.
     pub fn stop(mut self) {
+        self.notifier.notify("STOPPING=1\nSTATUS=stopping");
         // Stop taking requests first.
         let api_left = self.api.stop(Instant::now() + STOP_SLACK);
         if self.dev {
@@ -206,6 +275,7 @@ impl Agent {
         if let Some(l) = &self.liveness {
             left.extend(l.join(deadline));
         }
+        left.extend(self.threads.join_until(deadline));
         if !left.is_empty() {
             log::warn!("threads still running at exit: {}", left.join(", "));
         }
@@ -219,6 +289,29 @@ impl Agent {
         }
         log::info!("stopped");
     }
+}
+
+/// Sends WATCHDOG=1 every `every` while the state can be read (a state
+/// lock that never comes back stops the pings, and systemd restarts the
+/// agent).
+fn start_watchdog(
+    threads: &mut Threads,
+    notifier: &Notifier,
+    store: &Arc<StateStore>,
+    every: Duration,
+    shutdown: &Shutdown,
+) -> Result<(), AgentError> {
+    let (n, s, stop) = (notifier.clone(), store.clone(), shutdown.clone());
+    log::info!("systemd watchdog: a ping every {every:?}");
+    threads
+        .spawn("watchdog", move || loop {
+            s.read(|_| ());
+            n.notify("WATCHDOG=1");
+            if !stop.sleep(every) {
+                return;
+            }
+        })
+        .map_err(io_err("failed to start the watchdog thread"))
 }
 
 /// Removes the `--dev` directory when nothing is left mounted below it;

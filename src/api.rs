@@ -17,6 +17,7 @@ use crate::lifecycle::{
     AllocStatus, Lifecycle, MountError, MountedVolume, ReleaseError, ReleaseStart, ReleaseState,
     VolumeRegistryError,
 };
+use crate::observe::{Observer, StatsEntry};
 use crate::plugins::{PluginSnapshot, Registry};
 use crate::threads::Threads;
 use crate::volumes::{AccessMode, AttachmentMode, MountOptions, VolumeRequest, VolumeSpec};
@@ -222,6 +223,47 @@ pub fn alloc_to_wire(a: &AllocStatus) -> w::AllocStatus {
     w
 }
 
+/// The latest volume stats onto the wire.
+pub fn stats_to_wire(e: &StatsEntry) -> w::VolumeStats {
+    let mut x = w::VolumeStats::new();
+    x.error = e.error.clone();
+    if let Some((at, s)) = &e.stats {
+        x.at_unix_ms = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        if let Some(b) = s.bytes {
+            x.has_bytes = true;
+            x.capacity_bytes = b.total;
+            x.used_bytes = b.used;
+            x.available_bytes = b.available;
+        }
+        if let Some(i) = s.inodes {
+            x.has_inodes = true;
+            x.inodes = i.total;
+            x.inodes_used = i.used;
+            x.inodes_free = i.available;
+        }
+        if let Some(c) = &s.condition {
+            x.has_condition = true;
+            x.abnormal = c.abnormal;
+            x.condition_message = c.message.clone();
+        }
+    }
+    x
+}
+
+/// An allocation's status with the latest volume stats of each volume.
+fn alloc_with_stats(o: &Observer, a: &AllocStatus) -> w::AllocStatus {
+    let mut x = alloc_to_wire(a);
+    for v in &mut x.volumes {
+        if let Some(e) = o.stats.get(&a.id, &v.alias) {
+            v.stats = protobuf::MessageField::some(stats_to_wire(&e));
+        }
+    }
+    x
+}
+
 pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
     let mut w = w::Plugin::new();
     w.id = p.id.clone();
@@ -277,6 +319,7 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
 struct Service {
     lifecycle: Lifecycle,
     registry: Registry,
+    observer: Observer,
     threads: Arc<Mutex<Option<Threads>>>,
 }
 
@@ -464,7 +507,7 @@ impl grpc::Claimd for Service {
             match s.lifecycle.alloc_status(&req.alloc_id) {
                 Some(a) => {
                     let mut r = w::GetAllocResponse::new();
-                    r.alloc = protobuf::MessageField::some(alloc_to_wire(&a));
+                    r.alloc = protobuf::MessageField::some(alloc_with_stats(&s.observer, &a));
                     Ok(r)
                 }
                 None => Err(status(
@@ -487,7 +530,7 @@ impl grpc::Claimd for Service {
                 .lifecycle
                 .list_allocs()
                 .iter()
-                .map(alloc_to_wire)
+                .map(|a| alloc_with_stats(&s.observer, a))
                 .collect();
             Ok(r)
         });
@@ -512,6 +555,34 @@ impl grpc::Claimd for Service {
                 r.volumes = st.volumes.len() as u64;
                 r.claims = st.claims.len() as u64;
             });
+            Ok(r)
+        });
+    }
+
+    fn get_metrics(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetMetricsRequest,
+        sink: UnarySink<w::GetMetricsResponse>,
+    ) {
+        self.run(&ctx, "metrics", sink, |s| {
+            let mut r = w::GetMetricsResponse::new();
+            r.text = s.observer.metrics_text();
+            Ok(r)
+        });
+    }
+
+    fn get_health(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetHealthRequest,
+        sink: UnarySink<w::GetHealthResponse>,
+    ) {
+        self.run(&ctx, "health", sink, |s| {
+            let mut r = w::GetHealthResponse::new();
+            // Requests are served only once the restore has run.
+            r.ready = true;
+            r.problems = s.observer.problems();
             Ok(r)
         });
     }
@@ -614,8 +685,7 @@ impl ApiServer {
     pub fn start(
         env: Arc<grpcio::Environment>,
         socket: &Path,
-        lifecycle: Lifecycle,
-        registry: Registry,
+        observer: Observer,
     ) -> Result<ApiServer, ApiError> {
         if let Some(dir) = socket.parent() {
             std::fs::DirBuilder::new()
@@ -641,8 +711,9 @@ impl ApiServer {
         }
         let threads = Arc::new(Mutex::new(Some(Threads::new())));
         let service = grpc::create_claimd(Service {
-            lifecycle,
-            registry,
+            lifecycle: observer.lifecycle.clone(),
+            registry: observer.registry.clone(),
+            observer,
             threads: threads.clone(),
         });
         // The socket is created with the process umask; tighten it first so

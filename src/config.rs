@@ -26,6 +26,9 @@ pub const DEFAULT_CLAIM_RETRY_DEADLINE: Duration = Duration::from_secs(3600);
 pub const DEFAULT_MOUNT_RETRY_DEADLINE: Duration = Duration::from_secs(120);
 /// How long a release keeps retrying a failing volume.
 pub const DEFAULT_RELEASE_RETRY_DEADLINE: Duration = Duration::from_secs(24 * 3600);
+/// How often NodeGetVolumeStats is asked per published volume (kubelet's
+/// volume stats aggregation period is also one minute).
+pub const DEFAULT_VOLUME_STATS_INTERVAL: Duration = Duration::from_secs(60);
 
 /// What a plugin socket serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -123,6 +126,11 @@ pub struct Config {
     pub timeouts: Timeouts,
     /// None: one node, claims in the agent's own state.
     pub cluster: Option<ClusterConfig>,
+    /// Where `GET /metrics` and `GET /healthz` are served; none: no
+    /// listener (`claimd metrics` still works over the API socket).
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// How often each published volume's usage is polled.
+    pub volume_stats_interval: Duration,
 }
 
 impl Default for Config {
@@ -136,6 +144,8 @@ impl Default for Config {
             node_name: local_hostname(),
             timeouts: Timeouts::default(),
             cluster: None,
+            metrics_listen: None,
+            volume_stats_interval: DEFAULT_VOLUME_STATS_INTERVAL,
         }
     }
 }
@@ -156,6 +166,8 @@ struct RawConfig {
     claim_retry_deadline: Option<String>,
     mount_retry_deadline: Option<String>,
     release_retry_deadline: Option<String>,
+    metrics_listen: Option<String>,
+    volume_stats_interval: Option<String>,
     cluster: Option<RawCluster>,
 }
 
@@ -384,6 +396,15 @@ impl Config {
                 })
             }
         };
+        let metrics_listen = match raw.metrics_listen.as_deref() {
+            None | Some("") => None,
+            Some(a) => Some(parse_listen(a).map_err(|e| field_err("metrics_listen", e))?),
+        };
+        let volume_stats_interval = dur(
+            "volume_stats_interval",
+            raw.volume_stats_interval,
+            DEFAULT_VOLUME_STATS_INTERVAL,
+        )?;
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
         crate::ids::check_id("node", &node_name)
             .map_err(|e| field_err("node_name", e.to_string()))?;
@@ -395,6 +416,8 @@ impl Config {
             plugins,
             node_name,
             cluster,
+            metrics_listen,
+            volume_stats_interval,
             timeouts: Timeouts {
                 csi_call: dur(
                     "csi_call_timeout",
@@ -430,6 +453,18 @@ impl Config {
 /// A plugin endpoint as plugins and CSI tooling write it: `unix:///abs`,
 /// `unix:/abs`, or a plain absolute path. Other schemes are refused by
 /// name (CSI plugins listen on unix sockets).
+/// An `IP:port` listen address (`127.0.0.1:9432`, `[::1]:9432`); host
+/// names are refused (the listener must not depend on name resolution).
+pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
+    let a: std::net::SocketAddr = s.parse().map_err(|_| {
+        format!("{s:?} is not an address and port such as 127.0.0.1:9432 or [::1]:9432")
+    })?;
+    if a.port() == 0 {
+        return Err(format!("{s:?} names no port"));
+    }
+    Ok(a)
+}
+
 pub fn parse_endpoint(s: &str) -> Result<PathBuf, String> {
     let path = match s.split_once(':') {
         Some((scheme, rest)) if !s.starts_with('/') => {
@@ -570,6 +605,11 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(c.plugins[0].socket, PathBuf::from("/run/a/csi.sock"));
+        assert_eq!(c.metrics_listen, None);
+        let m = parse(r#"{"metrics_listen":"[::1]:9432","volume_stats_interval":"5s"}"#)
+            .expect("valid");
+        assert_eq!(m.metrics_listen, Some("[::1]:9432".parse().expect("addr")));
+        assert_eq!(m.volume_stats_interval, Duration::from_secs(5));
         assert_eq!(c.timeouts.mount_retry_deadline, Duration::from_secs(45));
         let d = parse("{}").expect("defaults");
         assert_eq!(
@@ -602,6 +642,10 @@ mod tests {
             (r#"{"state_dir":"var/lib"}"#, "state_dir"),
             (r#"{"probe_interval":"soon"}"#, "probe_interval"),
             (r#"{"probe_interval":"0s"}"#, "probe_interval"),
+            (r#"{"metrics_listen":"localhost:9432"}"#, "metrics_listen"),
+            (r#"{"metrics_listen":"127.0.0.1"}"#, "metrics_listen"),
+            (r#"{"metrics_listen":"127.0.0.1:0"}"#, "metrics_listen"),
+            (r#"{"volume_stats_interval":"0s"}"#, "volume_stats_interval"),
             (
                 r#"{"mount_retry_deadline":"forever"}"#,
                 "mount_retry_deadline",

@@ -19,11 +19,14 @@ pub mod etcd;
 pub mod failpoints;
 pub mod ids;
 pub mod lifecycle;
+pub mod metrics;
 pub mod mounts;
+pub mod observe;
 pub mod plugins;
 pub mod retry;
 pub mod shutdown;
 pub mod state;
+pub mod systemd;
 pub mod threads;
 pub mod volumes;
 

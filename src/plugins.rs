@@ -254,7 +254,8 @@ impl Registry {
                 self.inner.env.clone(),
                 &p.socket,
                 self.inner.opts.call_timeout,
-            );
+            )
+            .with_driver(&p.id);
             st.entries.push(Entry {
                 snapshot: PluginSnapshot {
                     id: p.id.clone(),

@@ -163,6 +163,7 @@ fn identity_calls_report_name_capabilities_and_readiness() {
         NodeCapabilities {
             stage_unstage_volume: true,
             get_volume_stats: false,
+            volume_condition: false,
         }
     );
     assert_eq!(

@@ -361,6 +361,7 @@ fn waiter_returns_once_a_late_plugin_starts() {
         Some(NodeCapabilities {
             stage_unstage_volume: true,
             get_volume_stats: false,
+            volume_condition: false,
         })
     );
     assert_eq!(

@@ -21,10 +21,12 @@ command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)
 command -v findmnt >/dev/null || need+=(util-linux)
 [ -x /usr/bin/etcd ] || need+=(etcd-server)
+# promtool and prometheus: the metrics tests check the text and scrape it.
+command -v promtool >/dev/null || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]}"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 cargo fmt --all -- --check

@@ -46,6 +46,11 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
     mount_retry_deadline    {mount} (retryable CSI errors of a mount;
                             then it fails and is rolled back)
     release_retry_deadline  {release}
+    metrics_listen          none (off); an IP:port such as 127.0.0.1:9432
+                            serves GET /metrics (Prometheus text) and
+                            GET /healthz; `claimd metrics` works without it
+    volume_stats_interval   {stats} (NodeGetVolumeStats per published
+                            volume, for plugins with GET_VOLUME_STATS)
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
 
 SIGNALS:
@@ -56,9 +61,16 @@ SIGNALS:
 LOGS:
     RUST_LOG=debug shows one line per CSI call (default: info).
 
+SYSTEMD:
+    With $NOTIFY_SOCKET set (Type=notify): STATUS= while restoring
+    (\"restoring N allocations, M done\"), READY=1 once the restore is done
+    and the API answers, STOPPING=1 on stop, and WATCHDOG=1 at half of
+    $WATCHDOG_USEC when the unit sets WatchdogSec=.
+
 EXIT CODES:
     0  stopped gracefully (SIGTERM, SIGINT)
-    1  the agent failed to start (the message says why)
+    1  the agent failed to start (the message says why; e.g. the
+       metrics_listen address is in use)
     2  bad arguments or a bad config
 ",
         cfg = config::DEFAULT_CONFIG_PATH,
@@ -72,6 +84,7 @@ EXIT CODES:
         claim = format_duration(d.claim_retry_deadline),
         mount = format_duration(d.mount_retry_deadline),
         release = format_duration(d.release_retry_deadline),
+        stats = format_duration(config::DEFAULT_VOLUME_STATS_INTERVAL),
     )
 }
 

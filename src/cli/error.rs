@@ -38,6 +38,8 @@ pub enum CliError {
     },
     /// No agent answers at the API socket.
     Unreachable { socket: PathBuf, source: BoxError },
+    /// `claimd health`: the agent answers but has problems (printed).
+    Degraded { problems: usize },
     /// The agent refused a request as invalid (INVALID_ARGUMENT).
     Refused {
         request: &'static str,
@@ -102,6 +104,7 @@ impl CliError {
             | CliError::Call { .. }
             | CliError::NoAnswer { .. }
             | CliError::ReleaseUnfinished { .. }
+            | CliError::Degraded { .. }
             | CliError::AgentStart { .. }
             | CliError::Signals { .. }
             | CliError::SpawnThread { .. }
@@ -134,6 +137,9 @@ impl fmt::Display for CliError {
             CliError::ReadInput { what, .. } => write!(f, "cannot read {what}"),
             CliError::Unreachable { socket, .. } => {
                 write!(f, "agent not running at {}", socket.display())
+            }
+            CliError::Degraded { problems } => {
+                write!(f, "the agent is degraded ({problems} problem(s))")
             }
             CliError::Refused { request, .. } => {
                 write!(f, "the agent refused the {request} request")
@@ -195,6 +201,7 @@ impl std::error::Error for CliError {
             CliError::PrintState { source } => Some(source),
             CliError::Usage { .. }
             | CliError::NoAnswer { .. }
+            | CliError::Degraded { .. }
             | CliError::ReleaseUnfinished { .. }
             | CliError::NoState { .. }
             | CliError::NoFailpoints => None,

@@ -34,6 +34,7 @@ allocations on this node, and survives its own restarts.
 USAGE:
     claimd agent [--config PATH] [--dev]
     claimd volume|alloc|plugin VERB ...
+    claimd metrics | claimd health
     claimd state [--config PATH | --state-dir DIR | --dev]
     claimd --help | --version
 
@@ -60,10 +61,13 @@ Run `claimd agent --help` for the agent's options and defaults.
 }
 
 fn noun_lines() -> String {
-    client::NOUNS
+    let nouns = client::NOUNS
         .iter()
-        .map(|n| format!("    {:<10}  {}.\n", n.name, capitalized(n.about)))
-        .collect()
+        .map(|n| format!("    {:<10}  {}.\n", n.name, capitalized(n.about)));
+    let singles = client::SINGLES
+        .iter()
+        .map(|c| format!("    {:<10}  {}.\n", c.name, capitalized(c.about)));
+    nouns.chain(singles).collect()
 }
 
 fn capitalized(s: &str) -> String {
@@ -93,7 +97,7 @@ pub fn run(args: Vec<String>) -> Result<(), CliError> {
     }
     if args.is_empty() {
         return Err(CliError::usage(
-            "a command is needed: agent, state, volume, alloc or plugin",
+            "a command is needed: agent, state, volume, alloc, plugin, metrics or health",
             "claimd",
         ));
     }
@@ -121,9 +125,10 @@ pub fn run(args: Vec<String>) -> Result<(), CliError> {
             }
             Ok(())
         }
-        other => match client::noun(other) {
-            Some(noun) => noun.run(&rest),
-            None => Err(CliError::usage(
+        other => match (client::noun(other), client::single(other)) {
+            (Some(noun), _) => noun.run(&rest),
+            (None, Some(single)) => single.run(&rest),
+            (None, None) => Err(CliError::usage(
                 format!("unknown command {other:?}"),
                 "claimd",
             )),

@@ -31,6 +31,7 @@ pub enum CsiMethod {
     NodeUnpublishVolume,
     NodeGetCapabilities,
     NodeGetInfo,
+    NodeGetVolumeStats,
     ControllerPublishVolume,
     ControllerUnpublishVolume,
     ControllerGetCapabilities,
@@ -50,12 +51,36 @@ impl CsiMethod {
             CsiMethod::NodeUnpublishVolume => "NodeUnpublishVolume",
             CsiMethod::NodeGetCapabilities => "NodeGetCapabilities",
             CsiMethod::NodeGetInfo => "NodeGetInfo",
+            CsiMethod::NodeGetVolumeStats => "NodeGetVolumeStats",
             CsiMethod::ControllerPublishVolume => "ControllerPublishVolume",
             CsiMethod::ControllerUnpublishVolume => "ControllerUnpublishVolume",
             CsiMethod::ControllerGetCapabilities => "ControllerGetCapabilities",
             CsiMethod::CreateVolume => "CreateVolume",
             CsiMethod::DeleteVolume => "DeleteVolume",
         }
+    }
+
+    /// The gRPC method path (`/csi.v1.Node/NodePublishVolume`): kubelet's
+    /// `method_name` label.
+    pub fn path(self) -> String {
+        let service = match self {
+            CsiMethod::GetPluginInfo | CsiMethod::GetPluginCapabilities | CsiMethod::Probe => {
+                "Identity"
+            }
+            CsiMethod::NodeStageVolume
+            | CsiMethod::NodeUnstageVolume
+            | CsiMethod::NodePublishVolume
+            | CsiMethod::NodeUnpublishVolume
+            | CsiMethod::NodeGetCapabilities
+            | CsiMethod::NodeGetInfo
+            | CsiMethod::NodeGetVolumeStats => "Node",
+            CsiMethod::ControllerPublishVolume
+            | CsiMethod::ControllerUnpublishVolume
+            | CsiMethod::ControllerGetCapabilities
+            | CsiMethod::CreateVolume
+            | CsiMethod::DeleteVolume => "Controller",
+        };
+        format!("/csi.v1.{service}/{}", self.name())
     }
 
     /// Teardown calls for which NOT_FOUND means "already done".
@@ -215,6 +240,31 @@ pub fn code_name(code: RpcStatusCode) -> String {
     name.to_string()
 }
 
+/// gRPC-Go's name of a status code (`codes.Code.String()`), which
+/// kubelet's `grpc_status_code` label carries: `OK`, `DeadlineExceeded`.
+pub fn go_code_name(code: RpcStatusCode) -> &'static str {
+    match code {
+        RpcStatusCode::OK => "OK",
+        RpcStatusCode::CANCELLED => "Canceled",
+        RpcStatusCode::UNKNOWN => "Unknown",
+        RpcStatusCode::INVALID_ARGUMENT => "InvalidArgument",
+        RpcStatusCode::DEADLINE_EXCEEDED => "DeadlineExceeded",
+        RpcStatusCode::NOT_FOUND => "NotFound",
+        RpcStatusCode::ALREADY_EXISTS => "AlreadyExists",
+        RpcStatusCode::PERMISSION_DENIED => "PermissionDenied",
+        RpcStatusCode::RESOURCE_EXHAUSTED => "ResourceExhausted",
+        RpcStatusCode::FAILED_PRECONDITION => "FailedPrecondition",
+        RpcStatusCode::ABORTED => "Aborted",
+        RpcStatusCode::OUT_OF_RANGE => "OutOfRange",
+        RpcStatusCode::UNIMPLEMENTED => "Unimplemented",
+        RpcStatusCode::INTERNAL => "Internal",
+        RpcStatusCode::UNAVAILABLE => "Unavailable",
+        RpcStatusCode::DATA_LOSS => "DataLoss",
+        RpcStatusCode::UNAUTHENTICATED => "Unauthenticated",
+        _ => "Unknown",
+    }
+}
+
 /// Parses a canonical code name (`"UNAVAILABLE"`) back into a code.
 pub fn code_from_name(name: &str) -> Option<RpcStatusCode> {
     (0..=16)
@@ -268,6 +318,7 @@ pub struct PluginCapabilities {
 pub struct NodeCapabilities {
     pub stage_unstage_volume: bool,
     pub get_volume_stats: bool,
+    pub volume_condition: bool,
 }
 
 /// What ControllerGetCapabilities said, with unknown values ignored.
@@ -286,6 +337,29 @@ pub struct NodeInfo {
     pub node_id: String,
     pub max_volumes_per_node: i64,
     pub topology: std::collections::BTreeMap<String, String>,
+}
+
+/// One unit of NodeGetVolumeStats's usage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub total: i64,
+    pub used: i64,
+    pub available: i64,
+}
+
+/// VOLUME_CONDITION as the plugin reported it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Condition {
+    pub abnormal: bool,
+    pub message: String,
+}
+
+/// What NodeGetVolumeStats said.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VolumeStats {
+    pub bytes: Option<Usage>,
+    pub inodes: Option<Usage>,
+    pub condition: Option<Condition>,
 }
 
 /// What GetPluginInfo said.
@@ -319,6 +393,8 @@ pub fn grpc_environment(name_prefix: &str) -> Arc<Environment> {
 pub struct CsiClient {
     socket: PathBuf,
     timeout: Duration,
+    /// The `driver_name` label of this client's calls in the metrics.
+    driver: Arc<str>,
     identity: IdentityClient,
     node: NodeClient,
     controller: ControllerClient,
@@ -346,10 +422,18 @@ impl CsiClient {
         CsiClient {
             socket: socket.to_path_buf(),
             timeout,
+            driver: Arc::from("unknown-driver"),
             identity: IdentityClient::new(channel.clone()),
             node: NodeClient::new(channel.clone()),
             controller: ControllerClient::new(channel),
         }
+    }
+
+    /// Names the driver in the call metrics (`driver_name`); the registry
+    /// uses the plugin ID.
+    pub fn with_driver(mut self, driver: &str) -> CsiClient {
+        self.driver = Arc::from(driver);
+        self
     }
 
     pub fn socket(&self) -> &Path {
@@ -376,15 +460,27 @@ impl CsiClient {
             e @ grpcio::Error::Codec(_) => CsiError::BadReply { method, source: e },
             e => CsiError::Transport { method, source: e },
         });
+        let took = started.elapsed();
         let code = match &result {
             Ok(_) => "OK".to_string(),
             Err(e) => e.code_name(),
         };
+        let grpc_code = match &result {
+            Ok(_) => "OK",
+            Err(CsiError::Status { code, .. }) => go_code_name(*code),
+            // A reply that does not decode: what gRPC-Go reports for it.
+            Err(CsiError::BadReply { .. }) => "Internal",
+            Err(_) => "Unknown",
+        };
+        crate::metrics::CSI_OPERATIONS.observe(
+            &[&self.driver, &method.path(), grpc_code],
+            took.as_secs_f64(),
+        );
         log::debug!(
             "csi {method} volume={} socket={} took={:?} result={code}",
             if volume.is_empty() { "-" } else { volume },
             self.socket.display(),
-            started.elapsed()
+            took
         );
         result
     }
@@ -477,6 +573,7 @@ impl CsiClient {
                 match rpc.type_.enum_value() {
                     Ok(Type::STAGE_UNSTAGE_VOLUME) => caps.stage_unstage_volume = true,
                     Ok(Type::GET_VOLUME_STATS) => caps.get_volume_stats = true,
+                    Ok(Type::VOLUME_CONDITION) => caps.volume_condition = true,
                     _ => {}
                 }
             }
@@ -551,6 +648,36 @@ impl CsiClient {
             self.controller.controller_unpublish_volume(req, o)
         })
         .map(drop)
+    }
+
+    /// Usage and condition of a published volume (GET_VOLUME_STATS).
+    pub fn node_get_volume_stats(
+        &self,
+        req: &NodeGetVolumeStatsRequest,
+    ) -> Result<VolumeStats, CsiError> {
+        let r = self.call(CsiMethod::NodeGetVolumeStats, &req.volume_id, |o| {
+            self.node.node_get_volume_stats(req, o)
+        })?;
+        let mut stats = VolumeStats::default();
+        for u in &r.usage {
+            let usage = Usage {
+                total: u.total,
+                used: u.used,
+                available: u.available,
+            };
+            match u.unit.enum_value() {
+                Ok(volume_usage::Unit::BYTES) => stats.bytes = Some(usage),
+                Ok(volume_usage::Unit::INODES) => stats.inodes = Some(usage),
+                _ => {}
+            }
+        }
+        if let Some(c) = r.volume_condition.as_ref() {
+            stats.condition = Some(Condition {
+                abnormal: c.abnormal,
+                message: c.message.clone(),
+            });
+        }
+        Ok(stats)
     }
 
     pub fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {

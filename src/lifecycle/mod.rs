@@ -36,7 +36,7 @@ pub use error::{MountError, ReleaseError, StepError, VolumeRegistryError};
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
 pub use release::ReleaseStart;
-pub use restore::RestoreReport;
+pub use restore::{RestoreProgress, RestoreReport};
 pub use status::{AllocStatus, VolumeStatus};
 
 use crate::claims::{Claim, ClaimStore};
@@ -213,6 +213,11 @@ impl Lifecycle {
         self.core.progress.releases(alloc_id)
     }
 
+    /// Every release report kept, in order: (allocation, alias, state).
+    pub fn release_reports(&self) -> Vec<(String, String, ReleaseState)> {
+        self.core.progress.all_releases()
+    }
+
     pub fn alloc_status(&self, alloc_id: &str) -> Option<AllocStatus> {
         status::alloc_status(&self.core, alloc_id)
     }
@@ -224,7 +229,12 @@ impl Lifecycle {
     /// Brings every recorded allocation back to what was asked; see
     /// `restore::restore`.
     pub fn restore(&self) -> RestoreReport {
-        restore::restore(&self.core)
+        restore::restore(&self.core, &|_| {})
+    }
+
+    /// The same, telling `progress` how far it got (for systemd's STATUS).
+    pub fn restore_with(&self, progress: &dyn Fn(RestoreProgress)) -> RestoreReport {
+        restore::restore(&self.core, progress)
     }
 
     /// Stops taking work and joins the worker threads up to `deadline`;

@@ -514,6 +514,7 @@ fn take_claim(
                 })
             }
             Err(e) if e.is_retryable() => {
+                crate::metrics::CLAIM_RETRIES.inc();
                 let msg = format!("{e} (retrying)");
                 log::info!("allocation {alloc_id}: {msg}");
                 core.progress.set_message(alloc_id, alias, Some(msg));

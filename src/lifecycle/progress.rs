@@ -360,6 +360,19 @@ impl Progress {
         }
     }
 
+    /// Every release report kept: (allocation, alias, state).
+    pub fn all_releases(&self) -> Vec<(String, String, ReleaseState)> {
+        let mut v: Vec<_> = self
+            .inner
+            .lock()
+            .releases
+            .iter()
+            .map(|((a, al), st)| (a.clone(), al.clone(), st.clone()))
+            .collect();
+        v.sort_by(|x, y| (&x.0, &x.1).cmp(&(&y.0, &y.1)));
+        v
+    }
+
     /// Release state of each volume of the allocation's latest release.
     pub fn releases(&self, alloc_id: &str) -> BTreeMap<String, ReleaseState> {
         self.inner

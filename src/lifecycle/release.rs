@@ -156,6 +156,7 @@ fn worker(core: &Core, alloc_id: &str, alias: &str) {
             }
             Ok(Step::Done) => break ReleaseState::Released,
             Err(e) => {
+                crate::metrics::RELEASE_FAILURES.inc();
                 let msg = crate::error_chain(&e);
                 log::warn!("release of {alloc_id}/{alias}: {msg} (retrying)");
                 core.progress.set_release(

@@ -30,6 +30,14 @@ pub struct RestoreReport {
     pub errors: Vec<String>,
 }
 
+/// How far a restore got: allocations on record, and those done (intact,
+/// released in the background, or mounted again).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RestoreProgress {
+    pub allocations: usize,
+    pub done: usize,
+}
+
 /// What the records ask for, sorted by what must happen.
 #[derive(Default)]
 struct Plan {
@@ -65,7 +73,7 @@ fn plan(snapshot: &StateFile, table: &MountTable, rebooted: bool) -> Plan {
     p
 }
 
-pub fn restore(core: &Arc<Core>) -> RestoreReport {
+pub fn restore(core: &Arc<Core>, progress: &dyn Fn(RestoreProgress)) -> RestoreReport {
     failpoints::hit("restore-start");
     let mut report = RestoreReport::default();
     let table = match MountTable::read() {
@@ -81,7 +89,14 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     if rebooted {
         log::info!("the node rebooted since the state was written: every recorded mount is redone");
     }
-    let p = plan(&core.store.snapshot(), &table, rebooted);
+    let snapshot = core.store.snapshot();
+    let p = plan(&snapshot, &table, rebooted);
+    let mut told = RestoreProgress {
+        allocations: snapshot.allocs.len(),
+        done: snapshot.allocs.len() - p.to_mount.len(),
+    };
+    drop(snapshot);
+    progress(told);
     report.intact = p.intact;
     // One write at most: this boot, and records of an earlier release cut
     // off before NodeStage (read as `mounting`) made users of the staging
@@ -111,7 +126,10 @@ pub fn restore(core: &Arc<Core>) -> RestoreReport {
     report.remounted = p.remount.len();
     resume_releases(core, &p.to_release, &mut report);
     let remount = Arc::new(p.remount);
-    finish_mounts(core, &p.to_mount, &remount, &mut report);
+    finish_mounts(core, &p.to_mount, &remount, &mut report, &mut |n| {
+        told.done += n;
+        progress(told);
+    });
     log::info!(
         "restore: {} intact, {} remounted, {} allocation mount(s) finished, {} still running, {} release(s) resumed, {} error(s)",
         report.intact,
@@ -153,6 +171,7 @@ fn finish_mounts(
     ids: &[String],
     remount: &Arc<BTreeSet<(String, String)>>,
     report: &mut RestoreReport,
+    finished: &mut dyn FnMut(usize),
 ) {
     let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
     let mut started = 0;
@@ -191,9 +210,13 @@ fn finish_mounts(
     let mut failed = 0;
     for _ in 0..started {
         match rx.recv_deadline(deadline) {
-            Ok((_, Ok(()))) => report.mounts_finished += 1,
+            Ok((_, Ok(()))) => {
+                report.mounts_finished += 1;
+                finished(1);
+            }
             Ok((id, Err(e))) => {
                 failed += 1;
+                finished(1);
                 report
                     .errors
                     .push(format!("{id}: {}", crate::error_chain(&e)));

@@ -258,6 +258,13 @@ impl StateStore {
     /// line, or a new snapshot and journal when the journal has grown large
     /// (or an append failed part-way).
     fn persist(&self, old: &StateFile, new: &StateFile) -> Result<(), StateError> {
+        let started = std::time::Instant::now();
+        let r = self.persist_timed(old, new);
+        crate::metrics::STATE_WRITE_SECONDS.observe(&[], started.elapsed().as_secs_f64());
+        r
+    }
+
+    fn persist_timed(&self, old: &StateFile, new: &StateFile) -> Result<(), StateError> {
         let mut j = self.journal.lock();
         let delta = Delta::between(old, new);
         if delta.is_empty() {

@@ -93,6 +93,8 @@ pub struct AgentConfig {
     pub claim_retry_deadline: String,
     /// Left to the agent's default when None.
     pub mount_retry_deadline: Option<String>,
+    /// More fields, written as they are (`metrics_listen`, ...).
+    pub extra: Vec<(String, Value)>,
 }
 
 impl AgentConfig {
@@ -118,6 +120,7 @@ impl AgentConfig {
             release_retry_deadline: "10m".into(),
             claim_retry_deadline: "10s".into(),
             mount_retry_deadline: None,
+            extra: Vec::new(),
         }
     }
 
@@ -141,6 +144,9 @@ impl AgentConfig {
         });
         if let Some(d) = &self.mount_retry_deadline {
             config["mount_retry_deadline"] = json!(d);
+        }
+        for (k, v) in &self.extra {
+            config[k.as_str()] = v.clone();
         }
         config
     }

@@ -178,6 +178,17 @@ impl Describe for NodePublishVolumeRequest {
     }
 }
 
+impl Describe for NodeGetVolumeStatsRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.volume_id.clone()),
+            target_path: Some(self.volume_path.clone()),
+            ..CallRecord::default()
+        }
+    }
+}
+
 impl Describe for NodeUnpublishVolumeRequest {
     fn describe(&self, method: &'static str) -> CallRecord {
         CallRecord {

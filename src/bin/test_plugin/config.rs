@@ -56,6 +56,11 @@ OPTIONS:
     --max-volumes-per-node N    reported by NodeGetInfo and enforced by
                                 ControllerPublishVolume (RESOURCE_EXHAUSTED) [default: 0,
                                 no limit]
+    --volume-stats              advertise GET_VOLUME_STATS and VOLUME_CONDITION:
+                                NodeGetVolumeStats answers statvfs of the volume
+                                path; a file <root>/abnormal/<volume_id> makes the
+                                volume abnormal, its content the message (without
+                                the flag: UNIMPLEMENTED)
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
                                 publish_context other than ControllerPublish's, or a
                                 volume_context other than CreateVolume's
@@ -98,6 +103,7 @@ pub struct Config {
     pub create_target_parent: bool,
     pub known_nodes: Option<PathBuf>,
     pub unknown_capability: bool,
+    pub volume_stats: bool,
 }
 
 pub enum Parsed {
@@ -138,6 +144,7 @@ impl Config {
             create_target_parent: false,
             known_nodes: None,
             unknown_capability: false,
+            volume_stats: false,
         };
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
@@ -180,6 +187,7 @@ impl Config {
                 | "--no-controller"
                 | "--require-contexts"
                 | "--create-target-parent"
+                | "--volume-stats"
                 | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
@@ -189,6 +197,7 @@ impl Config {
                         "--no-controller" => config.controller = false,
                         "--unknown-capability" => config.unknown_capability = true,
                         "--create-target-parent" => config.create_target_parent = true,
+                        "--volume-stats" => config.volume_stats = true,
                         _ => config.require_contexts = true,
                     }
                 }

@@ -25,6 +25,7 @@ pub const METHODS: &[&str] = &[
     "NodeUnpublishVolume",
     "NodeGetCapabilities",
     "NodeGetInfo",
+    "NodeGetVolumeStats",
     "ControllerPublishVolume",
     "ControllerUnpublishVolume",
     "ValidateVolumeCapabilities",

@@ -31,6 +31,19 @@ fn io_failure(what: &str, path: &Path, e: io::Error) -> Failure {
     Failure::internal(format!("cannot {what} {}: {e}", path.display()))
 }
 
+fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter; the path is a
+    // NUL-terminated string that outlives the call.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
 /// Unmounts everything stacked on `path`.
 fn unmount_all(path: &Path) -> Outcome<()> {
     for _ in 0..MAX_STACKED_MOUNTS {
@@ -383,9 +396,70 @@ impl Plugin {
             r.capabilities
                 .push(cap(EnumOrUnknown::new(Type::STAGE_UNSTAGE_VOLUME)));
         }
+        if self.config.volume_stats {
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::GET_VOLUME_STATS)));
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::VOLUME_CONDITION)));
+        }
         if let Some(unknown) = self.unknown_capability() {
             r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
         }
+        Ok(r)
+    }
+
+    /// statvfs of the volume path; `<root>/abnormal/<volume_id>` makes the
+    /// volume abnormal with its content as the message.
+    pub fn node_get_volume_stats(
+        &self,
+        req: NodeGetVolumeStatsRequest,
+        _call: &Call,
+    ) -> Outcome<NodeGetVolumeStatsResponse> {
+        if !self.config.volume_stats {
+            return Err(Failure::unimplemented(
+                "NodeGetVolumeStats",
+                "the plugin does not advertise GET_VOLUME_STATS",
+            ));
+        }
+        let id = valid_volume_id("volume_id", &req.volume_id)?;
+        let path = valid_path("volume_path", &req.volume_path)?;
+        if mount_at(path)?.is_none() {
+            return Err(Failure::new(
+                RpcStatusCode::NOT_FOUND,
+                format!("{} is not a mount point", path.display()),
+            ));
+        }
+        let st = statvfs(path).map_err(|e| io_failure("statvfs", path, e))?;
+        let usage = |unit, total: u64, free: u64| {
+            let mut u = VolumeUsage::new();
+            u.unit = EnumOrUnknown::new(unit);
+            u.total = total as i64;
+            u.available = free as i64;
+            u.used = total.saturating_sub(free) as i64;
+            u
+        };
+        let frsize = st.f_frsize as u64;
+        let mut r = NodeGetVolumeStatsResponse::new();
+        r.usage.push(usage(
+            volume_usage::Unit::BYTES,
+            st.f_blocks as u64 * frsize,
+            st.f_bavail as u64 * frsize,
+        ));
+        r.usage.push(usage(
+            volume_usage::Unit::INODES,
+            st.f_files as u64,
+            st.f_ffree as u64,
+        ));
+        let flag = self.config.root.join("abnormal").join(id);
+        let mut c = VolumeCondition::new();
+        match fs::read_to_string(&flag) {
+            Ok(msg) => {
+                c.abnormal = true;
+                c.message = msg.trim().to_string();
+            }
+            Err(_) => c.message = "volume is healthy".to_string(),
+        }
+        r.volume_condition = MessageField::some(c);
         Ok(r)
     }
 

@@ -142,6 +142,12 @@ pub fn services(plugin: &Arc<Plugin>) -> Vec<grpcio::Service> {
         Plugin::node_get_capabilities,
     );
     let node = add(node, p, &METHOD_NODE_NODE_GET_INFO, Plugin::node_get_info);
+    let node = add(
+        node,
+        p,
+        &METHOD_NODE_NODE_GET_VOLUME_STATS,
+        Plugin::node_get_volume_stats,
+    );
 
     // Registered even with --no-controller: the handlers then answer
     // UNIMPLEMENTED, and the call log shows that an agent called anyway.

@@ -226,6 +226,57 @@ pub(super) fn alloc_release(c: &Call) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The latest volume stats as JSON: absent figures are null.
+fn stats_json(s: &w::VolumeStats) -> Value {
+    let bytes = s.has_bytes.then(|| {
+        json!({"capacity": s.capacity_bytes, "used": s.used_bytes,
+               "available": s.available_bytes})
+    });
+    let inodes = s
+        .has_inodes
+        .then(|| json!({"capacity": s.inodes, "used": s.inodes_used, "free": s.inodes_free}));
+    let condition = s
+        .has_condition
+        .then(|| json!({"abnormal": s.abnormal, "message": s.condition_message}));
+    json!({"at_unix_ms": s.at_unix_ms, "bytes": bytes, "inodes": inodes,
+           "condition": condition, "error": s.error})
+}
+
+/// `1.5 GiB`-style sizes for the table.
+fn human_bytes(n: i64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// The USAGE cell: used of capacity, or `-` without stats.
+fn usage_cell(v: &w::AllocVolumeStatus) -> String {
+    match v.stats.as_ref() {
+        Some(s) if s.has_bytes => {
+            let pct = if s.capacity_bytes > 0 {
+                format!(" ({}%)", s.used_bytes * 100 / s.capacity_bytes)
+            } else {
+                String::new()
+            };
+            format!(
+                "{} of {}{pct}",
+                human_bytes(s.used_bytes),
+                human_bytes(s.capacity_bytes)
+            )
+        }
+        _ => "-".into(),
+    }
+}
+
 pub(super) fn alloc_json(a: &w::AllocStatus) -> Value {
     let vols: Vec<Value> = a
         .volumes
@@ -234,7 +285,8 @@ pub(super) fn alloc_json(a: &w::AllocStatus) -> Value {
             json!({"alias": v.alias, "volume_id": v.volume_id, "plugin_id": v.plugin_id,
                    "phase": v.phase, "host_path": v.host_path, "read_only": v.read_only,
                    "attachment_mode": v.attachment_mode, "release_state": v.release_state,
-                   "release_error": v.release_error, "message": v.message})
+                   "release_error": v.release_error, "message": v.message,
+                   "stats": v.stats.as_ref().map(stats_json)})
         })
         .collect();
     json!({"id": a.id, "releasing": a.releasing, "volumes": vols})
@@ -270,12 +322,20 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
         "MODE".into(),
         "HOST PATH".into(),
         "RELEASE".into(),
+        "USAGE".into(),
         "NOTE".into(),
     ]];
     for a in &allocs {
         for v in &a.volumes {
+            let abnormal = v
+                .stats
+                .as_ref()
+                .filter(|s| s.abnormal)
+                .map(|s| format!("abnormal: {}", s.condition_message));
             let note = if !v.release_error.is_empty() {
                 v.release_error.clone()
+            } else if let Some(a) = abnormal {
+                a
             } else {
                 v.message.clone()
             };
@@ -295,6 +355,7 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
                 } else {
                     v.release_state.clone()
                 },
+                usage_cell(v),
                 note,
             ]);
         }

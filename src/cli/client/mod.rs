@@ -18,8 +18,11 @@ use crate::config::{parse_duration, DEFAULT_API_SOCKET};
 use crate::volumes::VolumeSpec;
 
 mod alloc;
+mod observe;
 mod plugin;
 mod volume;
+
+pub use observe::{Single, SINGLES};
 
 use alloc::*;
 use plugin::*;
@@ -186,6 +189,13 @@ Shows each volume of allocation ALLOC, or of every allocation the agent
 knows: alias, volume, phase, mode (ro/rw), host path, release state, and
 the last release error or what the volume waits on. An ALLOC the agent does
 not know is an error (exit 1). --json adds plugin_id and attachment_mode.
+
+USAGE shows the volume's bytes used of its capacity, and NOTE an abnormal
+condition, from the plugin's latest NodeGetVolumeStats answer (plugins
+with GET_VOLUME_STATS, polled every volume_stats_interval); --json has
+them as \"stats\": {\"at_unix_ms\", \"bytes\": {\"capacity\", \"used\",
+\"available\"}, \"inodes\": {\"capacity\", \"used\", \"free\"},
+\"condition\": {\"abnormal\", \"message\"}, \"error\"} (null without stats).
 ",
             run: alloc_status,
         },
@@ -212,6 +222,11 @@ source and generation.
 /// Every client noun, in help order.
 pub const NOUNS: [&Noun; 3] = [&VOLUME, &ALLOC, &PLUGIN];
 
+/// The verbless client command called `name` (`metrics`, `health`).
+pub fn single(name: &str) -> Option<&'static Single> {
+    SINGLES.into_iter().find(|s| s.name == name)
+}
+
 /// The client noun called `name`.
 pub fn noun(name: &str) -> Option<&'static Noun> {
     NOUNS.into_iter().find(|n| n.name == name)
@@ -237,7 +252,12 @@ pub fn summary() -> String {
             s.push_str(&format!("    {}\n", line.trim_end()));
         }
     }
-    s.push_str("Run `claimd NOUN --help` or `claimd NOUN VERB --help` for more.\n\n");
+    for c in SINGLES {
+        s.push_str(&format!("    claimd {}\n", c.name));
+    }
+    s.push_str(
+        "Run `claimd NOUN --help`, `claimd NOUN VERB --help` or `claimd metrics|health --help` for more.\n\n",
+    );
     s.push_str(&client_options());
     s
 }
