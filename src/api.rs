@@ -587,6 +587,40 @@ impl grpc::Claimd for Service {
         });
     }
 
+    fn list_claims(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::ListClaimsRequest,
+        sink: UnarySink<w::ListClaimsResponse>,
+    ) {
+        self.run(&ctx, "list-claims", sink, move |s| {
+            let claims = s
+                .lifecycle
+                .try_list_claims()
+                .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
+            let mut r = w::ListClaimsResponse::new();
+            r.claims = claims
+                .iter()
+                .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)
+                .map(|c| w::ClaimInfo {
+                    volume_id: c.volume_id.clone(),
+                    alloc_id: c.alloc_id.clone(),
+                    node: c.node.clone(),
+                    mode: c.mode.name().to_string(),
+                    access_mode: c.access_mode.name().to_string(),
+                    state: match c.state {
+                        crate::state::ClaimState::Taken => "taken",
+                        crate::state::ClaimState::Releasing => "releasing",
+                    }
+                    .to_string(),
+                    external_node_id: c.external_node_id.clone().unwrap_or_default(),
+                    ..Default::default()
+                })
+                .collect();
+            Ok(r)
+        });
+    }
+
     fn list_plugins(
         &mut self,
         ctx: RpcContext<'_>,

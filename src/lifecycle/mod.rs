@@ -94,6 +94,11 @@ impl Lifecycle {
         self.core.claims.list()
     }
 
+    /// Every claim of the claim store, or why it cannot tell now.
+    pub fn try_list_claims(&self) -> Result<Vec<Claim>, crate::claims::ClaimError> {
+        self.core.claims.try_list()
+    }
+
     pub fn registry(&self) -> &Registry {
         &self.core.registry
     }

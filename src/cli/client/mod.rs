@@ -18,6 +18,7 @@ use crate::config::{parse_duration, DEFAULT_API_SOCKET};
 use crate::volumes::VolumeSpec;
 
 mod alloc;
+mod claim;
 mod observe;
 mod plugin;
 mod volume;
@@ -25,6 +26,7 @@ mod volume;
 pub use observe::{Single, SINGLES};
 
 use alloc::*;
+use claim::*;
 use plugin::*;
 use volume::*;
 
@@ -219,8 +221,29 @@ source and generation.
     }],
 };
 
+pub const CLAIM: Noun = Noun {
+    name: "claim",
+    about: "show who holds which volume",
+    verbs: &[Verb {
+        name: "list",
+        args: "[--volume VOLUME]",
+        about: "list the claims of the claim store",
+        details: "\
+Lists every claim the agent's claim store holds: volume, allocation, node,
+mode (read or write), access mode and state (taken, or releasing while its
+allocation is being released). On one node these are this agent's claims;
+in cluster mode (a `cluster` section in the config) they are every node's,
+read from etcd, and the command fails (exit 1) when etcd cannot be reached.
+
+OPTIONS:
+    --volume VOLUME   only the claims on VOLUME; also --volume=VOLUME
+",
+        run: claim_list,
+    }],
+};
+
 /// Every client noun, in help order.
-pub const NOUNS: [&Noun; 3] = [&VOLUME, &ALLOC, &PLUGIN];
+pub const NOUNS: [&Noun; 4] = [&VOLUME, &ALLOC, &PLUGIN, &CLAIM];
 
 /// The verbless client command called `name` (`metrics`, `health`).
 pub fn single(name: &str) -> Option<&'static Single> {
