@@ -422,6 +422,7 @@ impl grpc::Claimd for Service {
             r.volumes = s
                 .lifecycle
                 .list_volumes()
+                .map_err(|e| registry_status(&e))?
                 .iter()
                 .map(|v| {
                     let mut w = volume_to_wire(v);

@@ -10,6 +10,11 @@
 //! node, whatever the timing. Claims are never tied to a lease: a node cut
 //! off from the cluster keeps its claims.
 //!
+//! Volume registrations are shared too, under `<prefix>/volumes/<id>`
+//! (the whole spec, secrets included: etcd is where the README says they
+//! live in cluster mode); each node keeps a copy of the specs it uses in
+//! its own state, so it restarts without etcd.
+//!
 //! Every round trip is made outside every state lock; the local record is
 //! written after it. An unreachable etcd is `Unavailable` (retried by the
 //! lifecycle); a value that is not a claim is `Corrupt` and is never
@@ -20,9 +25,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::{check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, Transaction};
+use super::{
+    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, SharedVolumes,
+    Transaction,
+};
 use crate::etcd::{Compare, CompareOp, EtcdClient, EtcdError, KeyValue, TxnOp};
 use crate::state::{Claim, ClaimState, StateError, StateStore};
+use crate::volumes::VolumeSpec;
 
 /// How often a change is tried again when another node changed the same
 /// volume's claims between the read and the write.
@@ -60,6 +69,10 @@ impl EtcdClaims {
 
     fn volume_prefix(&self, volume_id: &str) -> String {
         format!("{}/claims/{volume_id}/", self.prefix)
+    }
+
+    fn volume_key(&self, volume_id: &str) -> String {
+        format!("{}/volumes/{volume_id}", self.prefix)
     }
 
     fn key(&self, volume_id: &str, alloc_id: &str) -> String {
@@ -200,6 +213,55 @@ impl EtcdClaims {
     }
 }
 
+impl SharedVolumes for EtcdClaims {
+    fn put(&self, spec: &VolumeSpec) -> Result<(), ClaimError> {
+        let value = serde_json::to_vec(spec).expect("a volume spec always encodes");
+        self.client
+            .put(self.volume_key(&spec.id), value)
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
+        let r = self
+            .client
+            .delete_range(self.volume_key(volume_id), "")
+            .map_err(unavailable)?;
+        Ok(r.deleted > 0)
+    }
+
+    fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError> {
+        match self
+            .client
+            .get(self.volume_key(volume_id))
+            .map_err(unavailable)?
+        {
+            Some(kv) => parse_spec(&kv).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError> {
+        let r = self
+            .client
+            .range_prefix(format!("{}/volumes/", self.prefix))
+            .map_err(unavailable)?;
+        r.kvs.iter().map(parse_spec).collect()
+    }
+}
+
+fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
+    let spec: VolumeSpec = serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })?;
+    spec.validate().map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok(spec)
+}
+
 impl ClaimStore for EtcdClaims {
     fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError> {
         if !self.state.read(txn.wanted) {
@@ -227,6 +289,10 @@ impl ClaimStore for EtcdClaims {
 
     fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
         Ok(self.list_stored()?.into_iter().map(|s| s.claim).collect())
+    }
+
+    fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
+        Some(self)
     }
 }
 

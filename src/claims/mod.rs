@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::state::{StateError, StateFile};
-use crate::volumes::AccessMode;
+use crate::volumes::{AccessMode, VolumeSpec};
 
 mod embedded;
 pub mod etcd;
@@ -123,6 +123,16 @@ impl Applied {
     }
 }
 
+/// Volume registrations shared by every node of a cluster (cluster stores
+/// only; on one node registrations live in the agent's own state).
+pub trait SharedVolumes: Send + Sync {
+    fn put(&self, spec: &VolumeSpec) -> Result<(), ClaimError>;
+    /// True when the volume was registered.
+    fn delete(&self, volume_id: &str) -> Result<bool, ClaimError>;
+    fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError>;
+    fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError>;
+}
+
 /// Where claims are kept. A store is built on the agent's state store (the
 /// one its record changes are written to).
 pub trait ClaimStore: Send + Sync {
@@ -136,6 +146,10 @@ pub trait ClaimStore: Send + Sync {
     /// Every claim, or why the store cannot tell now.
     fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
         Ok(self.list())
+    }
+    /// The cluster's shared volume registrations, when the store has them.
+    fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
+        None
     }
 }
 

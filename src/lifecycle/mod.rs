@@ -118,12 +118,22 @@ impl Lifecycle {
     /// warnings for the operator (its plugin is not known on this node).
     pub fn register_volume(&self, spec: VolumeSpec) -> Result<Vec<String>, VolumeRegistryError> {
         spec.validate().map_err(VolumeRegistryError::Invalid)?;
-        let changed = self
-            .core
-            .store
-            .read(|s| s.volumes.get(&spec.id).is_some_and(|old| **old != spec));
+        let shared = self.core.claims.shared_volumes();
+        let changed = match shared {
+            Some(r) => r
+                .get(&spec.id)
+                .map_err(VolumeRegistryError::Claims)?
+                .is_some_and(|old| old != spec),
+            None => self
+                .core
+                .store
+                .read(|s| s.volumes.get(&spec.id).is_some_and(|old| **old != spec)),
+        };
         if changed {
             self.refuse_if_claimed(&spec.id)?;
+        }
+        if let Some(r) = shared {
+            r.put(&spec).map_err(VolumeRegistryError::Claims)?;
         }
         let mut warnings = Vec::new();
         if !self.core.registry.knows(&spec.plugin_id) {
@@ -151,7 +161,22 @@ impl Lifecycle {
         crate::ids::check_id("volume", id)
             .map_err(|e| VolumeRegistryError::Invalid(SpecError::Id(e)))?;
         self.refuse_if_claimed(id)?;
-        self.core.store.update(|s| {
+        let in_use = self.core.store.read(|s| {
+            s.alloc_volumes()
+                .find(|(_, v)| v.volume_id == id)
+                .map(|(a, _)| a.id.clone())
+        });
+        if let Some(holder) = in_use {
+            return Err(VolumeRegistryError::InUse {
+                volume_id: id.to_string(),
+                holder,
+            });
+        }
+        let shared_found = match self.core.claims.shared_volumes() {
+            Some(r) => r.delete(id).map_err(VolumeRegistryError::Claims)?,
+            None => false,
+        };
+        let local_found = self.core.store.update(|s| {
             if let Some((a, _)) = s.alloc_volumes().find(|(_, v)| v.volume_id == id) {
                 return Err(VolumeRegistryError::InUse {
                     volume_id: id.to_string(),
@@ -159,7 +184,8 @@ impl Lifecycle {
                 });
             }
             Ok(s.volumes.remove(id).is_some())
-        })
+        })?;
+        Ok(shared_found || local_found)
     }
 
     fn refuse_if_claimed(&self, id: &str) -> Result<(), VolumeRegistryError> {
@@ -177,10 +203,15 @@ impl Lifecycle {
         }
     }
 
-    pub fn list_volumes(&self) -> Vec<VolumeSpec> {
-        self.core
-            .store
-            .read(|s| s.volumes.values().map(|v| (**v).clone()).collect())
+    /// The registered volumes (in cluster mode: the cluster's).
+    pub fn list_volumes(&self) -> Result<Vec<VolumeSpec>, VolumeRegistryError> {
+        match self.core.claims.shared_volumes() {
+            Some(r) => r.list().map_err(VolumeRegistryError::Claims),
+            None => Ok(self
+                .core
+                .store
+                .read(|s| s.volumes.values().map(|v| (**v).clone()).collect())),
+        }
     }
 
     // ---- allocations ----------------------------------------------------

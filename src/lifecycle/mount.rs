@@ -115,6 +115,7 @@ fn record_intent(
     alloc_id: &str,
     reqs: &[VolumeRequest],
 ) -> Result<Option<MountError>, MountError> {
+    copy_shared_specs(core, reqs)?;
     // The plan, computed once: the records this mount wants.
     let wanted = core
         .store
@@ -196,6 +197,34 @@ fn record_intent(
         }
     }
     Ok(None)
+}
+
+/// In cluster mode, the specs of requested volumes this node has no copy
+/// of yet are fetched from the cluster's registrations and kept in the
+/// node's own state (so it restarts without etcd). A volume registered
+/// nowhere stays unknown.
+fn copy_shared_specs(core: &Core, reqs: &[VolumeRequest]) -> Result<(), MountError> {
+    let Some(shared) = core.claims.shared_volumes() else {
+        return Ok(());
+    };
+    for r in reqs {
+        if core.spec(&r.volume_id).is_some() {
+            continue;
+        }
+        let spec = shared
+            .get(&r.volume_id)
+            .map_err(|source| MountError::Claim {
+                alias: r.alias.clone(),
+                source,
+            })?;
+        if let Some(spec) = spec {
+            core.store.update(|s| -> Result<(), MountError> {
+                s.volumes.insert(spec.id.clone(), Arc::new(spec));
+                Ok(())
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// The records a mount of `reqs` wants, when nothing is recorded for the
