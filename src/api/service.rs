@@ -1,0 +1,383 @@
+//! The local API's gRPC service: each request on a worker thread, errors
+//! mapped to status codes by their type.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use grpcio::{RpcContext, RpcStatus, RpcStatusCode, UnarySink};
+use parking_lot::Mutex;
+
+use super::convert::*;
+use super::{grpc, wire as w, MAX_RELEASE_WAIT, REPLY_TIMEOUT};
+use crate::lifecycle::{Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeRegistryError};
+use crate::observe::Observer;
+use crate::plugins::Registry;
+use crate::threads::Threads;
+use crate::volumes::VolumeRequest;
+
+fn status(code: RpcStatusCode, msg: impl Into<String>) -> RpcStatus {
+    RpcStatus::with_message(code, msg.into())
+}
+
+fn mount_status(e: &MountError) -> RpcStatus {
+    let code = match e {
+        MountError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
+        MountError::UnknownVolume { .. } => RpcStatusCode::NOT_FOUND,
+        MountError::UnknownPlugin { .. } => RpcStatusCode::NOT_FOUND,
+        MountError::Busy { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        MountError::Plugin { .. } => RpcStatusCode::UNAVAILABLE,
+        MountError::Claim { source, .. } if source.is_retryable() => {
+            RpcStatusCode::RESOURCE_EXHAUSTED
+        }
+        MountError::Claim { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        MountError::Csi { .. } => RpcStatusCode::INTERNAL,
+        MountError::Timeout { .. } => RpcStatusCode::DEADLINE_EXCEEDED,
+        MountError::Incompatible { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        MountError::VolumeLimit { .. } => RpcStatusCode::RESOURCE_EXHAUSTED,
+        MountError::State(_) => RpcStatusCode::INTERNAL,
+        MountError::Shutdown => RpcStatusCode::UNAVAILABLE,
+    };
+    status(code, crate::error_chain(e))
+}
+
+fn release_status(e: &ReleaseError) -> RpcStatus {
+    let code = match e {
+        ReleaseError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
+        ReleaseError::Stopping => RpcStatusCode::UNAVAILABLE,
+        _ => RpcStatusCode::INTERNAL,
+    };
+    status(code, crate::error_chain(e))
+}
+
+fn registry_status(e: &VolumeRegistryError) -> RpcStatus {
+    let code = match e {
+        VolumeRegistryError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
+        VolumeRegistryError::InUse { .. } => RpcStatusCode::FAILED_PRECONDITION,
+        VolumeRegistryError::Claims(_) => RpcStatusCode::UNAVAILABLE,
+        VolumeRegistryError::State(_) => RpcStatusCode::INTERNAL,
+    };
+    status(code, crate::error_chain(e))
+}
+
+// ---- conversions ----------------------------------------------------------
+
+#[derive(Clone)]
+pub struct Service {
+    pub(super) lifecycle: Lifecycle,
+    pub(super) registry: Registry,
+    pub(super) observer: Observer,
+    pub(super) threads: Arc<Mutex<Option<Threads>>>,
+}
+
+impl Service {
+    /// Runs `f` on its own thread and answers with its result.
+    fn run<R: Send + 'static>(
+        &self,
+        ctx: &RpcContext<'_>,
+        name: &str,
+        sink: UnarySink<R>,
+        f: impl FnOnce(&Service) -> Result<R, RpcStatus> + Send + 'static,
+    ) {
+        let me = self.clone();
+        let mut guard = self.threads.lock();
+        let Some(threads) = guard.as_mut() else {
+            let reply = sink.fail(status(RpcStatusCode::UNAVAILABLE, "the agent is stopping"));
+            ctx.spawn(async move {
+                let _ = reply.await;
+            });
+            return;
+        };
+        // The sink moves into the thread; if the spawn fails it is lost and
+        // the client sees the call cancelled.
+        let spawned = threads.spawn(format!("api-{name}"), move || {
+            let result = f(&me);
+            let reply = match result {
+                Ok(r) => sink.success(r),
+                Err(s) => sink.fail(s),
+            };
+            // Keep the reply alive until it is sent (see threads::block_on).
+            if crate::threads::block_on(reply, REPLY_TIMEOUT).is_none() {
+                log::warn!("an API reply was not delivered within {REPLY_TIMEOUT:?}");
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("cannot start an API thread: {e}");
+        }
+    }
+}
+
+impl grpc::Claimd for Service {
+    fn register_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::RegisterVolumeRequest,
+        sink: UnarySink<w::RegisterVolumeResponse>,
+    ) {
+        self.run(&ctx, "register", sink, move |s| {
+            let Some(v) = req.volume.as_ref() else {
+                return Err(status(
+                    RpcStatusCode::INVALID_ARGUMENT,
+                    "the request has no volume",
+                ));
+            };
+            let spec = volume_from_wire(v).map_err(|e| {
+                status(
+                    RpcStatusCode::INVALID_ARGUMENT,
+                    format!("volume {}: {e}", v.id),
+                )
+            })?;
+            let warnings = s
+                .lifecycle
+                .register_volume(spec)
+                .map_err(|e| registry_status(&e))?;
+            log::info!("volume {} registered", v.id);
+            for warning in &warnings {
+                log::warn!("{warning}");
+            }
+            let mut r = w::RegisterVolumeResponse::new();
+            r.warnings = warnings;
+            Ok(r)
+        });
+    }
+
+    fn deregister_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::DeregisterVolumeRequest,
+        sink: UnarySink<w::DeregisterVolumeResponse>,
+    ) {
+        self.run(&ctx, "deregister", sink, move |s| {
+            let found = s
+                .lifecycle
+                .deregister_volume(&req.volume_id)
+                .map_err(|e| registry_status(&e))?;
+            let mut r = w::DeregisterVolumeResponse::new();
+            r.found = found;
+            Ok(r)
+        });
+    }
+
+    fn list_volumes(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::ListVolumesRequest,
+        sink: UnarySink<w::ListVolumesResponse>,
+    ) {
+        self.run(&ctx, "list-volumes", sink, |s| {
+            let mut r = w::ListVolumesResponse::new();
+            r.volumes = s
+                .lifecycle
+                .list_volumes()
+                .map_err(|e| registry_status(&e))?
+                .iter()
+                .map(|v| {
+                    let mut w = volume_to_wire(v);
+                    w.plugin_health = s.lifecycle.plugin_health(&v.plugin_id);
+                    w
+                })
+                .collect();
+            Ok(r)
+        });
+    }
+
+    fn mount_alloc(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::MountAllocRequest,
+        sink: UnarySink<w::MountAllocResponse>,
+    ) {
+        self.run(&ctx, "mount", sink, move |s| {
+            let reqs: Vec<VolumeRequest> = req
+                .volumes
+                .iter()
+                .map(request_from_wire)
+                .collect::<Result<_, _>>()
+                .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e))?;
+            let mounted = s
+                .lifecycle
+                .mount(&req.alloc_id, &reqs)
+                .map_err(|e| mount_status(&e))?;
+            let mut r = w::MountAllocResponse::new();
+            r.volumes = mounted.iter().map(mounted_to_wire).collect();
+            Ok(r)
+        });
+    }
+
+    fn release_alloc(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::ReleaseAllocRequest,
+        sink: UnarySink<w::ReleaseAllocResponse>,
+    ) {
+        self.run(&ctx, "release", sink, move |s| {
+            let started = s
+                .lifecycle
+                .release(&req.alloc_id)
+                .map_err(|e| release_status(&e))?;
+            let mut r = w::ReleaseAllocResponse::new();
+            r.found = started == ReleaseStart::Started;
+            r.done = if r.found {
+                let wait = Duration::from_millis(req.wait_ms).min(MAX_RELEASE_WAIT);
+                s.lifecycle.wait_released(&req.alloc_id, wait)
+            } else {
+                true
+            };
+            if r.found {
+                r.volumes = s
+                    .lifecycle
+                    .release_status(&req.alloc_id)
+                    .iter()
+                    .map(|(alias, st)| {
+                        let (state, error, attempts) = release_state_parts(st);
+                        let mut v = w::VolumeReleaseStatus::new();
+                        v.alias = alias.clone();
+                        v.state = state.to_string();
+                        v.error = error;
+                        v.attempts = attempts;
+                        v
+                    })
+                    .collect();
+            }
+            Ok(r)
+        });
+    }
+
+    fn get_alloc(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::GetAllocRequest,
+        sink: UnarySink<w::GetAllocResponse>,
+    ) {
+        self.run(&ctx, "get-alloc", sink, move |s| {
+            crate::ids::check_id("allocation", &req.alloc_id)
+                .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e.to_string()))?;
+            match s.lifecycle.alloc_status(&req.alloc_id) {
+                Some(a) => {
+                    let mut r = w::GetAllocResponse::new();
+                    r.alloc = protobuf::MessageField::some(alloc_with_stats(&s.observer, &a));
+                    Ok(r)
+                }
+                None => Err(status(
+                    RpcStatusCode::NOT_FOUND,
+                    format!("allocation {} is not known to this agent", req.alloc_id),
+                )),
+            }
+        });
+    }
+
+    fn list_allocs(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::ListAllocsRequest,
+        sink: UnarySink<w::ListAllocsResponse>,
+    ) {
+        self.run(&ctx, "list-allocs", sink, |s| {
+            let mut r = w::ListAllocsResponse::new();
+            r.allocs = s
+                .lifecycle
+                .list_allocs()
+                .iter()
+                .map(|a| alloc_with_stats(&s.observer, a))
+                .collect();
+            Ok(r)
+        });
+    }
+
+    fn get_stats(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetStatsRequest,
+        sink: UnarySink<w::GetStatsResponse>,
+    ) {
+        self.run(&ctx, "stats", sink, |s| {
+            let store = s.lifecycle.store();
+            let ws = store.write_stats();
+            let mut r = w::GetStatsResponse::new();
+            r.state_writes = ws.writes;
+            r.state_bytes_written = ws.bytes;
+            r.state_fsyncs = ws.fsyncs;
+            r.state_snapshots = ws.snapshots;
+            store.read(|st| {
+                r.allocs = st.allocs.len() as u64;
+                r.volumes = st.volumes.len() as u64;
+                r.claims = st.claims.len() as u64;
+            });
+            Ok(r)
+        });
+    }
+
+    fn get_metrics(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetMetricsRequest,
+        sink: UnarySink<w::GetMetricsResponse>,
+    ) {
+        self.run(&ctx, "metrics", sink, |s| {
+            let mut r = w::GetMetricsResponse::new();
+            r.text = s.observer.metrics_text();
+            Ok(r)
+        });
+    }
+
+    fn get_health(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::GetHealthRequest,
+        sink: UnarySink<w::GetHealthResponse>,
+    ) {
+        self.run(&ctx, "health", sink, |s| {
+            let mut r = w::GetHealthResponse::new();
+            // Requests are served only once the restore has run.
+            r.ready = true;
+            r.problems = s.observer.problems();
+            Ok(r)
+        });
+    }
+
+    fn list_claims(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::ListClaimsRequest,
+        sink: UnarySink<w::ListClaimsResponse>,
+    ) {
+        self.run(&ctx, "list-claims", sink, move |s| {
+            let claims = s
+                .lifecycle
+                .try_list_claims()
+                .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
+            let mut r = w::ListClaimsResponse::new();
+            r.claims = claims
+                .iter()
+                .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)
+                .map(|c| w::ClaimInfo {
+                    volume_id: c.volume_id.clone(),
+                    alloc_id: c.alloc_id.clone(),
+                    node: c.node.clone(),
+                    mode: c.mode.name().to_string(),
+                    access_mode: c.access_mode.name().to_string(),
+                    state: match c.state {
+                        crate::state::ClaimState::Taken => "taken",
+                        crate::state::ClaimState::Releasing => "releasing",
+                    }
+                    .to_string(),
+                    external_node_id: c.external_node_id.clone().unwrap_or_default(),
+                    ..Default::default()
+                })
+                .collect();
+            Ok(r)
+        });
+    }
+
+    fn list_plugins(
+        &mut self,
+        ctx: RpcContext<'_>,
+        _req: w::ListPluginsRequest,
+        sink: UnarySink<w::ListPluginsResponse>,
+    ) {
+        self.run(&ctx, "list-plugins", sink, |s| {
+            let mut r = w::ListPluginsResponse::new();
+            r.plugins = s.registry.list().iter().map(plugin_to_wire).collect();
+            Ok(r)
+        });
+    }
+}
