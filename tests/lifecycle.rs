@@ -1004,6 +1004,50 @@ fn restore_after_a_reboot_converges_from_every_crash() {
     }
 }
 
+/// A record an earlier release wrote in `controller-publishing` (read as
+/// `mounting`) had not set its staging flag yet: the restore makes it a
+/// user of its staging path before redoing the way up, so it converges,
+/// and later unstages, like any intent.
+fn restore_converges_from_an_earlier_releases_controller_publishing() {
+    let mut h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    let published = h.state_on_disk();
+    h.stop();
+    craft_crash(
+        &h,
+        Crash {
+            phase: Phase::Mounting,
+            done: 0,
+        },
+    );
+    h.edit_state(|s| {
+        let v = s.volume_mut("a1", "data").expect("record");
+        v.holds_staging = false;
+    });
+    let n = h.lifecycle_calls().len();
+    h.start_again(FIRST_BOOT);
+    let report = h.m().restore();
+    assert_eq!(report.errors, Vec::<String>::new());
+    assert_eq!(
+        h.calls_since(n),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v")])
+    );
+    let st = h.state_on_disk();
+    assert_eq!(st.allocs, published.allocs);
+    assert!(st.allocs["a1"].volumes["data"].holds_staging);
+    let n = h.lifecycle_calls().len();
+    h.m().release("a1").expect("release");
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(
+        h.calls_since(n),
+        ok_calls(&[(NU, "v"), (NUS, "v"), (CU, "v")])
+    );
+    assert_all_released(&h);
+}
+
 // ---- 8. Retried NodeUnpublish; controller detach last, recorded node ID ----
 
 fn failing_node_unpublish_is_retried_and_detach_comes_last() {
@@ -1942,6 +1986,7 @@ macro_rules! both_stores {
 }
 
 both_stores!(
+    restore_converges_from_an_earlier_releases_controller_publishing,
     a_timed_out_publish_that_completes_late_leaves_no_mount,
     one_staging_path_per_volume_read_only_at_publish,
     a_recorded_staging_path_of_the_old_layout_is_kept_and_shared,

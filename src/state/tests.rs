@@ -556,3 +556,37 @@ fn a_full_disk_defers_the_compaction_and_still_appends() {
     let s = StateStore::open_with_boot_id(dir.path(), "b").expect("reopen");
     assert_eq!(s.read(|st| st.volumes.len()), 3);
 }
+
+#[test]
+fn per_call_phases_of_earlier_releases_read_as_the_phase_they_imply() {
+    let record = |phase: &str| {
+        serde_json::json!({
+            "alias": "data", "volume_id": "v", "plugin_id": "p", "external_volume_id": "x",
+            "usage": {"access_mode": "single-node-writer", "attachment": "file-system",
+                      "read_only": false},
+            "target_path": "/m/t", "phase": phase
+        })
+    };
+    for (old, new) in [
+        ("claiming", Phase::Claiming),
+        ("controller-publishing", Phase::Mounting),
+        ("staging", Phase::Mounting),
+        ("publishing", Phase::Mounting),
+        ("published", Phase::Published),
+        ("unpublishing", Phase::Releasing),
+        ("unstaging", Phase::Releasing),
+        ("controller-unpublishing", Phase::Releasing),
+        ("releasing-claim", Phase::Releasing),
+    ] {
+        let v: AllocVolume = serde_json::from_value(record(old)).expect(old);
+        assert_eq!(v.phase, new, "{old}");
+        // Written back under its new name.
+        assert_eq!(
+            serde_json::to_value(&v).expect("encode")["phase"],
+            new.name(),
+            "{old}"
+        );
+    }
+    let e = serde_json::from_value::<AllocVolume>(record("bogus")).expect_err("unknown phase");
+    assert!(e.to_string().contains("bogus"), "{e}");
+}

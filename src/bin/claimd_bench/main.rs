@@ -340,29 +340,37 @@ fn main() {
             format!("RSS / peak RSS (VmHWM) with {} allocations", args.restart_n),
             mib_pair(rss_n, peak),
         ));
-        // 100 concurrent mounts: writes per mount.
+        // 100 mounts and releases, 16 at a time: durable writes and
+        // fsyncs per operation (group commit shares them).
         for i in 0..100 {
             register(&c, &setup, &format!("c{i}"), "single-node-writer");
         }
         let b = stats(&c);
-        run_parallel(100, 100, |i| {
+        run_parallel(100, args.concurrency, |i| {
             mount(&c, &format!("c-a{i}"), &[format!("c{i}")])
         });
-        let e = stats(&c);
-        let cost = StateCost::between(&b, &e, 100);
-        results.insert("writes_per_mount_100_concurrent".into(), json!(cost.writes));
-        results.insert("state_per_mount_100_concurrent".into(), cost.json());
-        table.push((
-            "state writes / KiB / snapshots per mount, 100 concurrent".into(),
-            cost.row(),
-        ));
-        table.push((
-            "state fsyncs per mount, 100 concurrent (GetStats)".into(),
-            format!("{:.2}", cost.fsyncs),
-        ));
-        run_parallel(100, 16, |i| {
+        let m = stats(&c);
+        run_parallel(100, args.concurrency, |i| {
             release(&c, &format!("c-a{i}"), Duration::from_secs(60));
         });
+        let e = stats(&c);
+        let mount_cost = StateCost::between(&b, &m, 100);
+        let release_cost = StateCost::between(&m, &e, 100);
+        results.insert(
+            "writes_per_mount_concurrent".into(),
+            json!(mount_cost.writes),
+        );
+        results.insert("state_per_mount_concurrent".into(), mount_cost.json());
+        results.insert("state_per_release_concurrent".into(), release_cost.json());
+        let k = args.concurrency;
+        table.push((
+            format!("state writes / KiB / snapshots per mount, 100 mounts {k} at a time"),
+            mount_cost.row(),
+        ));
+        table.push((
+            format!("state fsyncs per mount / per release, 100 each {k} at a time (GetStats)"),
+            format!("{:.2} / {:.2}", mount_cost.fsyncs, release_cost.fsyncs),
+        ));
 
         let calls_before = volume_calls(&setup.call_log);
         agent.kill();
