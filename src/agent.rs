@@ -151,18 +151,37 @@ impl Agent {
                     c.prefix,
                     c.endpoints.join(", ")
                 );
+                let etcd_claims =
+                    Arc::new(EtcdClaims::new(client.clone(), &c.prefix, store.clone()));
+                let started_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0);
+                let (reconciler, node, root) = (
+                    etcd_claims.clone(),
+                    config.node_name.clone(),
+                    config.mount_root.clone(),
+                );
                 let liveness = NodeLiveness::start(
-                    client.clone(),
+                    client,
                     &c.prefix,
                     &config.node_name,
                     c.lease_ttl,
                     shutdown.clone(),
+                    Box::new(move || {
+                        match reconciler.reconcile(&node, &root, started_ms) {
+                            Ok(r) if r.freed.is_empty() && r.kept.is_empty() => {}
+                            Ok(r) => log::info!(
+                                "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",
+                                r.freed.len(),
+                                r.kept.len()
+                            ),
+                            Err(e) => log::warn!("cluster: reconciliation skipped: {e}"),
+                        }
+                    }),
                 )
                 .map_err(io_err("failed to start the cluster liveness thread"))?;
-                (
-                    Arc::new(EtcdClaims::new(client, &c.prefix, store.clone())),
-                    Some(liveness),
-                )
+                (etcd_claims, Some(liveness))
             }
         };
         let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);

@@ -50,18 +50,21 @@ pub fn node_key(prefix: &str, node: &str) -> String {
 
 impl NodeLiveness {
     /// Starts keeping `<prefix>/nodes/<node>` alive.
+    /// `on_registered` runs on the liveness thread after each successful
+    /// registration (the start-up reconciliation).
     pub fn start(
         client: EtcdClient,
         prefix: &str,
         node: &str,
         ttl: Duration,
         shutdown: Shutdown,
+        on_registered: Box<dyn Fn() + Send>,
     ) -> std::io::Result<NodeLiveness> {
         let status = Arc::new(Mutex::new(Liveness::default()));
         let mut threads = Threads::new();
         let (key, node, st) = (node_key(prefix, node), node.to_string(), status.clone());
         threads.spawn("etcd-liveness".to_string(), move || {
-            run(&client, &key, &node, ttl, &shutdown, &st)
+            run(&client, &key, &node, ttl, &shutdown, &st, &*on_registered)
         })?;
         Ok(NodeLiveness {
             status,
@@ -90,6 +93,7 @@ fn run(
     ttl: Duration,
     shutdown: &Shutdown,
     status: &Mutex<Liveness>,
+    on_registered: &dyn Fn(),
 ) {
     let record = NodeRecord {
         node: node.to_string(),
@@ -128,6 +132,7 @@ fn run(
             renewed: Some(keep_alive.last_renewed()),
             last_error: None,
         };
+        on_registered();
         // Renewal happens on the keep-alive's own thread; this one reports
         // and notices a lease etcd says is gone.
         while !keep_alive.is_lost() {

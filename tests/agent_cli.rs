@@ -1441,3 +1441,94 @@ fn a_failed_mount_leaves_a_clear_status_and_progress_is_not_an_error() {
     assert_eq!(v["plugin_id"], PLUGIN_ID);
     assert_eq!(v["phase"], "released");
 }
+
+// ---- claims by hand ---------------------------------------------------------
+
+/// `claim list` shows who holds what; `claim free` frees a claim no agent
+/// will release (here: one whose allocation record was lost), with a
+/// reason, and refuses one an allocation on this node still records.
+#[test]
+fn a_claim_left_behind_is_listed_and_freed_by_hand() {
+    let mut w = World::new(|_| {});
+    w.register(&volume_json("v", "ext-v", &["single-node-writer"]));
+    w.wait_plugin_ready();
+    w.agent
+        .cli(&["alloc", "mount", "a1", "--volume", "data=v"])
+        .ok();
+    let list = w.agent.cli(&["claim", "list", "--json"]).ok().json();
+    assert_eq!(list["claims"][0]["volume_id"], "v", "{list}");
+    assert_eq!(list["claims"][0]["alloc_id"], "a1");
+    assert_eq!(list["claims"][0]["node"], NODE_NAME);
+    assert_eq!(list["claims"][0]["state"], "taken");
+    // Recorded here: release it instead.
+    let out = w
+        .agent
+        .cli(&["claim", "free", "v", "a1", "--reason", "testing"]);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr.contains("claimd alloc release a1"),
+        "{}",
+        out.stderr
+    );
+    // Lose the allocation's record (as a state directory restored from an
+    // old backup would), keeping the claim.
+    w.agent
+        .cli(&["alloc", "release", "a1", "--wait", "30s"])
+        .ok();
+    w.agent
+        .cli(&["alloc", "mount", "a2", "--volume", "data=v"])
+        .ok();
+    w.agent.terminate(Duration::from_secs(30));
+    let state_dir = w.agent.config.state_dir.clone();
+    {
+        let store = claimd::state::StateStore::open(&state_dir).expect("open the state");
+        store
+            .update::<_, claimd::state::StateError>(|s| {
+                s.allocs.clear();
+                Ok(())
+            })
+            .expect("drop the record");
+    }
+    // The mount stays; an administrator unmounts it by hand.
+    for m in mounts_under(&w.mount_root()) {
+        let c = std::ffi::CString::new(m.mount_point.to_str().expect("utf-8")).expect("path");
+        // SAFETY: umount2 on a path we own, as an administrator would.
+        assert_eq!(unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) }, 0);
+    }
+    w.agent.restart();
+    let list = w.agent.cli(&["claim", "list", "--volume", "v"]).ok();
+    assert!(list.stdout.contains("a2"), "{}", list.stdout);
+    let out = w.agent.cli(&["claim", "free", "v", "a2"]);
+    assert_eq!(out.code, 2, "a reason is required: {out:?}");
+    let out = w
+        .agent
+        .cli(&[
+            "claim",
+            "free",
+            "v",
+            "a2",
+            "--reason",
+            "record lost in a restore",
+        ])
+        .ok();
+    assert!(out.stdout.contains("freed"), "{}", out.stdout);
+    assert!(
+        w.agent
+            .log()
+            .contains("freed by hand: record lost in a restore"),
+        "the reason is logged"
+    );
+    assert_eq!(
+        w.agent.cli(&["claim", "list", "--json"]).ok().json()["claims"],
+        json!([])
+    );
+    // The volume can be claimed again.
+    w.agent
+        .cli(&["alloc", "mount", "a3", "--volume", "data=v"])
+        .ok();
+    let out = w
+        .agent
+        .cli(&["claim", "free", "v", "nobody", "--reason", "x"]);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("holds no claim"), "{}", out.stderr);
+}

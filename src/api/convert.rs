@@ -237,3 +237,20 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
 }
 
 // ---- the server -----------------------------------------------------------
+
+pub fn claim_to_wire(c: &crate::state::Claim) -> w::ClaimInfo {
+    w::ClaimInfo {
+        volume_id: c.volume_id.clone(),
+        alloc_id: c.alloc_id.clone(),
+        node: c.node.clone(),
+        mode: c.mode.name().to_string(),
+        access_mode: c.access_mode.name().to_string(),
+        state: match c.state {
+            crate::state::ClaimState::Taken => "taken",
+            crate::state::ClaimState::Releasing => "releasing",
+        }
+        .to_string(),
+        external_node_id: c.external_node_id.clone().unwrap_or_default(),
+        ..Default::default()
+    }
+}

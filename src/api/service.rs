@@ -349,21 +349,37 @@ impl grpc::Claimd for Service {
             r.claims = claims
                 .iter()
                 .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)
-                .map(|c| w::ClaimInfo {
-                    volume_id: c.volume_id.clone(),
-                    alloc_id: c.alloc_id.clone(),
-                    node: c.node.clone(),
-                    mode: c.mode.name().to_string(),
-                    access_mode: c.access_mode.name().to_string(),
-                    state: match c.state {
-                        crate::state::ClaimState::Taken => "taken",
-                        crate::state::ClaimState::Releasing => "releasing",
-                    }
-                    .to_string(),
-                    external_node_id: c.external_node_id.clone().unwrap_or_default(),
-                    ..Default::default()
-                })
+                .map(claim_to_wire)
                 .collect();
+            Ok(r)
+        });
+    }
+
+    fn free_claim(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::FreeClaimRequest,
+        sink: UnarySink<w::FreeClaimResponse>,
+    ) {
+        self.run(&ctx, "free-claim", sink, move |s| {
+            use crate::lifecycle::FreeClaimError as E;
+            let c = s
+                .lifecycle
+                .free_claim(&req.volume_id, &req.alloc_id, &req.reason, req.force)
+                .map_err(|e| {
+                    let code = match &e {
+                        E::NoReason => RpcStatusCode::INVALID_ARGUMENT,
+                        E::NotHeld { .. } => RpcStatusCode::NOT_FOUND,
+                        E::RecordedHere { .. } | E::HolderAlive { .. } => {
+                            RpcStatusCode::FAILED_PRECONDITION
+                        }
+                        E::Store(_) => RpcStatusCode::UNAVAILABLE,
+                        E::State(_) => RpcStatusCode::INTERNAL,
+                    };
+                    status(code, crate::error_chain(&e))
+                })?;
+            let mut r = w::FreeClaimResponse::new();
+            r.claim = protobuf::MessageField::some(claim_to_wire(&c));
             Ok(r)
         });
     }

@@ -294,6 +294,27 @@ impl ClaimStore for EtcdClaims {
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
         Some(self)
     }
+
+    fn node_alive(&self, node: &str) -> Result<Option<bool>, ClaimError> {
+        let key = crate::cluster::node_key(&self.prefix, node);
+        Ok(Some(self.client.get(key).map_err(unavailable)?.is_some()))
+    }
+
+    fn note_freed_by_hand(&self, claim: &Claim, reason: &str, by: &str) -> Result<(), ClaimError> {
+        let note = serde_json::json!({
+            "claim": claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
+        });
+        self.client
+            .put(
+                format!(
+                    "{}/freed/{}/{}",
+                    self.prefix, claim.volume_id, claim.alloc_id
+                ),
+                note.to_string(),
+            )
+            .map_err(unavailable)?;
+        Ok(())
+    }
 }
 
 fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
@@ -322,4 +343,87 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// What the start-up reconciliation found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    /// (volume, alloc) of this node's claims without a local record, freed.
+    pub freed: Vec<(String, String)>,
+    /// Such claims kept because something of them is still mounted.
+    pub kept: Vec<(String, String)>,
+}
+
+impl EtcdClaims {
+    /// Claims in etcd held by `node` for which no local record exists (a
+    /// crash between the claim store's round trip and the local write, or a
+    /// state directory replaced by hand) are freed, after checking that
+    /// nothing of theirs is mounted under `mount_root`. Only claims taken
+    /// before `started_ms` (this agent's start) are looked at: a claim this
+    /// process takes is recorded locally right after.
+    pub fn reconcile(
+        &self,
+        node: &str,
+        mount_root: &std::path::Path,
+        started_ms: u64,
+    ) -> Result<Reconciled, ClaimError> {
+        let r = self
+            .client
+            .range_prefix(self.all_prefix())
+            .map_err(unavailable)?;
+        let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
+            store: "mountinfo".to_string(),
+            reason: e.to_string(),
+        })?;
+        let mut out = Reconciled::default();
+        for kv in &r.kvs {
+            let Ok(stored) = parse(kv) else {
+                // A corrupt value is reported where it is used, never
+                // touched here.
+                continue;
+            };
+            let c = &stored.claim;
+            if c.node != node || stored.taken_at_ms >= started_ms {
+                continue;
+            }
+            let recorded = self.state.read(|s| {
+                s.allocs
+                    .get(&c.alloc_id)
+                    .is_some_and(|a| a.volumes.values().any(|v| v.volume_id == c.volume_id))
+            });
+            if recorded {
+                continue;
+            }
+            let key = (c.volume_id.clone(), c.alloc_id.clone());
+            let dir = mount_root
+                .join("per-alloc")
+                .join(&c.alloc_id)
+                .join(&c.volume_id);
+            if !table.under(&dir).is_empty() {
+                log::error!(
+                    "cluster: claim of volume {} by allocation {} on this node has no local record but {} still has mounts; keeping it (free it with `claimd claim free` once they are gone)",
+                    c.volume_id,
+                    c.alloc_id,
+                    dir.display()
+                );
+                out.kept.push(key);
+                continue;
+            }
+            // Only this very claim: one taken again meanwhile stays.
+            let same = Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
+            let t = self
+                .client
+                .txn(&[same], &[TxnOp::delete(kv.key.clone())], &[])
+                .map_err(unavailable)?;
+            if t.succeeded {
+                log::warn!(
+                    "cluster: freed the claim of volume {} by allocation {} on this node: no local record holds it (a crash between the claim store and the local write) and nothing of it is mounted",
+                    c.volume_id,
+                    c.alloc_id
+                );
+                out.freed.push(key);
+            }
+        }
+        Ok(out)
+    }
 }

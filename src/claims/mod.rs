@@ -151,6 +151,21 @@ pub trait ClaimStore: Send + Sync {
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
         None
     }
+    /// Whether `node` is alive (its liveness lease is held); None when the
+    /// store does not know other nodes (one node).
+    fn node_alive(&self, _node: &str) -> Result<Option<bool>, ClaimError> {
+        Ok(None)
+    }
+    /// Keeps a record of a claim an operator freed by hand, with the reason
+    /// (the log of this agent says it too).
+    fn note_freed_by_hand(
+        &self,
+        _claim: &Claim,
+        _reason: &str,
+        _by: &str,
+    ) -> Result<(), ClaimError> {
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -318,6 +318,58 @@ impl From<StateError> for ReleaseError {
     }
 }
 
+/// Why `claim free` refused.
+#[derive(Debug)]
+pub enum FreeClaimError {
+    NoReason,
+    NotHeld {
+        volume_id: String,
+        alloc_id: String,
+    },
+    /// An allocation on this node records the volume: release it instead.
+    RecordedHere {
+        alloc_id: String,
+    },
+    /// The holder's node is alive and may still use the volume.
+    HolderAlive {
+        node: String,
+    },
+    Store(ClaimError),
+    State(StateError),
+}
+
+impl fmt::Display for FreeClaimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FreeClaimError::NoReason => f.write_str("a reason is required (--reason TEXT)"),
+            FreeClaimError::NotHeld {
+                volume_id,
+                alloc_id,
+            } => write!(f, "allocation {alloc_id} holds no claim on volume {volume_id}"),
+            FreeClaimError::RecordedHere { alloc_id } => write!(
+                f,
+                "allocation {alloc_id} on this node still records the volume: release it (claimd alloc release {alloc_id}) instead"
+            ),
+            FreeClaimError::HolderAlive { node } => write!(
+                f,
+                "the holder's node {node} is alive and may still have the volume mounted: release the allocation there, or free it with --force once you know it is not"
+            ),
+            FreeClaimError::Store(_) => f.write_str("the claim store cannot free it now"),
+            FreeClaimError::State(_) => f.write_str("the change could not be recorded"),
+        }
+    }
+}
+
+impl std::error::Error for FreeClaimError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            FreeClaimError::Store(e) => Some(e),
+            FreeClaimError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum VolumeRegistryError {
     Invalid(SpecError),

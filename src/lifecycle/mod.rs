@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 
 use self::core::Core;
 pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF};
-pub use error::{MountError, ReleaseError, StepError, VolumeRegistryError};
+pub use error::{FreeClaimError, MountError, ReleaseError, StepError, VolumeRegistryError};
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
 pub use release::ReleaseStart;
@@ -92,6 +92,76 @@ impl Lifecycle {
     /// Every claim of the claim store.
     pub fn list_claims(&self) -> Vec<Claim> {
         self.core.claims.list()
+    }
+
+    /// Frees a claim by hand (`claimd claim free`): a claim left behind by
+    /// an allocation that no agent will release. Refused when an
+    /// allocation on this node records it (release it instead), and while
+    /// the holder's node is alive unless `force`. The reason is logged (and
+    /// kept in the cluster store).
+    pub fn free_claim(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Claim, FreeClaimError> {
+        if reason.trim().is_empty() {
+            return Err(FreeClaimError::NoReason);
+        }
+        let claims = self.core.claims.try_list().map_err(FreeClaimError::Store)?;
+        let claim = claims
+            .into_iter()
+            .find(|c| c.volume_id == volume_id && c.alloc_id == alloc_id)
+            .ok_or_else(|| FreeClaimError::NotHeld {
+                volume_id: volume_id.to_string(),
+                alloc_id: alloc_id.to_string(),
+            })?;
+        let recorded = self.core.store.read(|s| {
+            s.allocs
+                .get(alloc_id)
+                .is_some_and(|a| a.volumes.values().any(|v| v.volume_id == volume_id))
+        });
+        let here = claim.node == self.core.opts.node_name;
+        if here && recorded {
+            return Err(FreeClaimError::RecordedHere {
+                alloc_id: alloc_id.to_string(),
+            });
+        }
+        if !here && !force {
+            let alive = self
+                .core
+                .claims
+                .node_alive(&claim.node)
+                .map_err(FreeClaimError::Store)?;
+            if alive != Some(false) {
+                return Err(FreeClaimError::HolderAlive {
+                    node: claim.node.clone(),
+                });
+            }
+        }
+        let free = crate::claims::ClaimChange::Free {
+            volume_id: volume_id.to_string(),
+            alloc_id: alloc_id.to_string(),
+        };
+        self.core
+            .transact(vec![free], &|_| true, &mut |_, _| {})
+            .map_err(FreeClaimError::State)?
+            .single()
+            .map_err(FreeClaimError::Store)?;
+        log::warn!(
+            "claim of volume {volume_id} by allocation {alloc_id} on node {} freed by hand{}: {reason}",
+            claim.node,
+            if force { " (forced)" } else { "" }
+        );
+        if let Err(e) =
+            self.core
+                .claims
+                .note_freed_by_hand(&claim, reason, &self.core.opts.node_name)
+        {
+            log::warn!("the reason could not be kept in the claim store: {e}");
+        }
+        Ok(claim)
     }
 
     /// Every claim of the claim store, or why it cannot tell now.

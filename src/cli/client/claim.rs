@@ -1,4 +1,4 @@
-//! `claimd claim list`.
+//! `claimd claim list` and `claimd claim free`.
 
 use super::*;
 
@@ -52,5 +52,49 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
         ]);
     }
     print_table(&rows);
+    Ok(())
+}
+
+pub(super) fn claim_free(c: &Call) -> Result<(), CliError> {
+    let mut req = w::FreeClaimRequest::new();
+    let mut positional = Vec::new();
+    let mut i = 0;
+    while i < c.args.len() {
+        let a = &c.args[i];
+        if let Some(v) = option_value(c, &["--reason"], &mut i)? {
+            req.reason = v;
+        } else if a == "--force" {
+            req.force = true;
+        } else if a.starts_with('-') {
+            return Err(c.usage(format!("unknown option {a:?}")));
+        } else {
+            positional.push(a.clone());
+        }
+        i += 1;
+    }
+    let [volume, alloc] = positional.as_slice() else {
+        return Err(c.usage("claim free needs a volume ID and an allocation ID"));
+    };
+    if req.reason.trim().is_empty() {
+        return Err(c.usage("claim free needs --reason TEXT (it is recorded)"));
+    }
+    req.volume_id = volume.clone();
+    req.alloc_id = alloc.clone();
+    let api = c.connect()?;
+    let r = api.call("claim free", QUICK_CALL_TIMEOUT, |a, o| {
+        a.free_claim(&req, o)
+    })?;
+    if c.json() {
+        println!(
+            "{}",
+            json!({"freed": {"volume_id": r.claim.volume_id, "alloc_id": r.claim.alloc_id,
+                             "node": r.claim.node}})
+        );
+    } else {
+        println!(
+            "claim of volume {} by allocation {} on node {} freed",
+            r.claim.volume_id, r.claim.alloc_id, r.claim.node
+        );
+    }
     Ok(())
 }

@@ -223,12 +223,13 @@ source and generation.
 
 pub const CLAIM: Noun = Noun {
     name: "claim",
-    about: "show who holds which volume",
-    verbs: &[Verb {
-        name: "list",
-        args: "[--volume VOLUME]",
-        about: "list the claims of the claim store",
-        details: "\
+    about: "show who holds which volume, free a claim left behind",
+    verbs: &[
+        Verb {
+            name: "list",
+            args: "[--volume VOLUME]",
+            about: "list the claims of the claim store",
+            details: "\
 Lists every claim the agent's claim store holds: volume, allocation, node,
 mode (read or write), access mode and state (taken, or releasing while its
 allocation is being released). On one node these are this agent's claims;
@@ -238,8 +239,31 @@ read from etcd, and the command fails (exit 1) when etcd cannot be reached.
 OPTIONS:
     --volume VOLUME   only the claims on VOLUME; also --volume=VOLUME
 ",
-        run: claim_list,
-    }],
+            run: claim_list,
+        },
+        Verb {
+            name: "free",
+            args: "VOLUME ALLOC --reason TEXT [--force]",
+            about: "free a claim no agent will release",
+            details: "\
+Frees the claim of allocation ALLOC on VOLUME: one left behind by an
+allocation that no agent will release (a lost node, a state directory
+wiped by hand). The reason is required; it is logged, and in cluster mode
+kept in etcd under <prefix>/freed/VOLUME/ALLOC.
+
+Refused (exit 1) when an allocation on this node still records the volume
+(release it with `claimd alloc release` instead), and, in cluster mode,
+while the holder's node is alive (its liveness lease is held): it may still
+have the volume mounted. --force frees it anyway; use it only when you know
+nothing uses the volume there.
+
+OPTIONS:
+    --reason TEXT   why (required); also --reason=TEXT
+    --force         free it although the holder's node is alive
+",
+            run: claim_free,
+        },
+    ],
 };
 
 /// Every client noun, in help order.
