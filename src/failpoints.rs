@@ -14,6 +14,9 @@
 /// against the `failpoints::hit("...")` calls in the source, so it cannot go
 /// stale.
 pub const FAILPOINTS: &[&str] = &[
+    // Every transaction of the etcd claim store (cluster mode).
+    "etcd-before-round-trip",
+    "etcd-after-round-trip",
     "mount-after-record",
     "mount-after-intent",
     "before-controller-publish",

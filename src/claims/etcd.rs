@@ -268,7 +268,10 @@ impl ClaimStore for EtcdClaims {
             return Ok(Applied::NotWanted);
         }
         // The round trips first, outside every state lock; then the record.
+        crate::failpoints::hit("etcd-before-round-trip");
         let outcomes: Vec<_> = txn.changes.iter().map(|c| self.apply(c)).collect();
+        // etcd changed, the local record not yet.
+        crate::failpoints::hit("etcd-after-round-trip");
         let record = txn.record;
         self.state.update(|s| -> Result<(), StateError> {
             record(s, &outcomes);

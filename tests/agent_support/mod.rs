@@ -21,7 +21,7 @@ use crate::common::*;
 
 /// The `claimd` binary under test.
 pub const CLAIMD: &str = env!("CARGO_BIN_EXE_claimd");
-/// claimd's node name (claims).
+/// claimd's node name (claims) unless `AgentConfig::node_name` says otherwise.
 pub const NODE_NAME: &str = "node-1";
 /// The plugin ID test volumes use.
 pub const PLUGIN_ID: &str = "testplug";
@@ -93,6 +93,10 @@ pub struct AgentConfig {
     pub claim_retry_deadline: String,
     /// Left to the agent's default when None.
     pub mount_retry_deadline: Option<String>,
+    /// The agent's node name (claims; in cluster mode, `nodes/<node>`).
+    pub node_name: String,
+    /// The `cluster` section (see `cluster_section`); none by default.
+    pub cluster: Option<Value>,
     /// More fields, written as they are (`metrics_listen`, ...).
     pub extra: Vec<(String, Value)>,
 }
@@ -120,8 +124,17 @@ impl AgentConfig {
             release_retry_deadline: "10m".into(),
             claim_retry_deadline: "10s".into(),
             mount_retry_deadline: None,
+            node_name: NODE_NAME.to_string(),
+            cluster: None,
             extra: Vec::new(),
         }
+    }
+
+    /// Cluster mode on `endpoints` (see `cluster_section`), as node `node`.
+    pub fn cluster_node(mut self, node: &str, endpoints: &[String]) -> AgentConfig {
+        self.node_name = node.to_string();
+        self.cluster = Some(cluster_section(endpoints));
+        self
     }
 
     pub fn to_json(&self) -> Value {
@@ -135,7 +148,7 @@ impl AgentConfig {
             "api_socket": self.api_socket,
             "mount_root": self.mount_root,
             "plugins": plugins,
-            "node_name": NODE_NAME,
+            "node_name": self.node_name,
             "csi_call_timeout": self.csi_call_timeout,
             "plugin_wait_timeout": self.plugin_wait_timeout,
             "probe_interval": self.probe_interval,
@@ -144,6 +157,9 @@ impl AgentConfig {
         });
         if let Some(d) = &self.mount_retry_deadline {
             config["mount_retry_deadline"] = json!(d);
+        }
+        if let Some(c) = &self.cluster {
+            config["cluster"] = c.clone();
         }
         for (k, v) in &self.extra {
             config[k.as_str()] = v.clone();
@@ -159,6 +175,18 @@ impl AgentConfig {
         let text = serde_json::to_vec_pretty(&self.to_json()).expect("encode config");
         fs::write(path, text).expect("write config");
     }
+}
+
+/// A `cluster` section for `endpoints`: the default prefix (`/claimd`),
+/// the default lease TTL, and a 2 s call deadline so that a silent etcd
+/// shows quickly. Change fields of the returned value as a test needs.
+pub fn cluster_section(endpoints: &[String]) -> Value {
+    json!({
+        "endpoints": endpoints,
+        "prefix": "/claimd",
+        "lease_ttl": "15s",
+        "call_timeout": "2s",
+    })
 }
 
 // ---- CLI -------------------------------------------------------------------
