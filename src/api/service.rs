@@ -341,11 +341,12 @@ impl grpc::Claimd for Service {
         sink: UnarySink<w::ListClaimsResponse>,
     ) {
         self.run(&ctx, "list-claims", sink, move |s| {
-            let claims = s
+            let (claims, problems) = s
                 .lifecycle
                 .try_list_claims()
                 .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
             let mut r = w::ListClaimsResponse::new();
+            r.problems = problems;
             r.claims = claims
                 .iter()
                 .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)

@@ -100,10 +100,16 @@ impl EtcdClaims {
                 c.external_node_id = Some(external_node_id.clone());
                 c.publish_context = publish_context.clone();
             }),
+            // Informational (the claim stays held either way): made in the
+            // background, so a release with etcd cut off starts its node
+            // side at once instead of waiting out the call deadline.
             ClaimChange::MarkReleasing {
                 volume_id,
                 alloc_id,
-            } => self.update(volume_id, alloc_id, |c| c.state = ClaimState::Releasing),
+            } => {
+                self.mark_in_background(volume_id, alloc_id);
+                Ok(())
+            }
             ClaimChange::Free {
                 volume_id,
                 alloc_id,
@@ -113,6 +119,36 @@ impl EtcdClaims {
                     .map_err(unavailable)?;
                 Ok(())
             }
+        }
+    }
+
+    fn mark_in_background(&self, volume_id: &str, alloc_id: &str) {
+        let (this, v, a) = (
+            self.clone_handle(),
+            volume_id.to_string(),
+            alloc_id.to_string(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name(format!("etcd-mark-{v}"))
+            .spawn(move || {
+                if let Err(e) = this.update(&v, &a, |c| c.state = ClaimState::Releasing) {
+                    log::info!("cluster: claim of {v} by {a} not marked releasing: {e}");
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!(
+                "cluster: cannot mark the claim of {volume_id} by {alloc_id} releasing: {e}"
+            );
+        }
+    }
+
+    /// A handle sharing the client (a mark outlives nothing: it ends within
+    /// its calls' deadlines).
+    fn clone_handle(&self) -> EtcdClaims {
+        EtcdClaims {
+            client: self.client.clone(),
+            prefix: self.prefix.clone(),
+            state: self.state.clone(),
         }
     }
 
@@ -268,10 +304,15 @@ impl ClaimStore for EtcdClaims {
             return Ok(Applied::NotWanted);
         }
         // The round trips first, outside every state lock; then the record.
-        crate::failpoints::hit("etcd-before-round-trip");
+        let round_trip = !txn.changes.is_empty();
+        if round_trip {
+            crate::failpoints::hit("etcd-before-round-trip");
+        }
         let outcomes: Vec<_> = txn.changes.iter().map(|c| self.apply(c)).collect();
-        // etcd changed, the local record not yet.
-        crate::failpoints::hit("etcd-after-round-trip");
+        if round_trip {
+            // etcd changed, the local record not yet.
+            crate::failpoints::hit("etcd-after-round-trip");
+        }
         let record = txn.record;
         self.state.update(|s| -> Result<(), StateError> {
             record(s, &outcomes);
@@ -290,8 +331,30 @@ impl ClaimStore for EtcdClaims {
         }
     }
 
+    /// Every valid claim; a value that is not a claim is left out with a
+    /// warning naming its key (a take on its volume fails naming it).
     fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
-        Ok(self.list_stored()?.into_iter().map(|s| s.claim).collect())
+        let (claims, problems) = self.list_with_problems()?;
+        for p in problems {
+            log::warn!("{p}");
+        }
+        Ok(claims)
+    }
+
+    fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+        let r = self
+            .client
+            .range_prefix(self.all_prefix())
+            .map_err(unavailable)?;
+        let mut claims = Vec::new();
+        let mut problems = Vec::new();
+        for kv in &r.kvs {
+            match parse(kv) {
+                Ok(s) => claims.push(s.claim),
+                Err(e) => problems.push(e.to_string()),
+            }
+        }
+        Ok((claims, problems))
     }
 
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {

@@ -147,6 +147,10 @@ pub trait ClaimStore: Send + Sync {
     fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
         Ok(self.list())
     }
+    /// Every valid claim, and a line per stored value that is not one.
+    fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+        Ok((self.try_list()?, Vec::new()))
+    }
     /// The cluster's shared volume registrations, when the store has them.
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
         None

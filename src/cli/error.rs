@@ -40,6 +40,8 @@ pub enum CliError {
     Unreachable { socket: PathBuf, source: BoxError },
     /// `claimd health`: the agent answers but has problems (printed).
     Degraded { problems: usize },
+    /// A listing found stored values it cannot read (printed before).
+    Unreadable { what: &'static str, count: usize },
     /// The agent refused a request as invalid (INVALID_ARGUMENT).
     Refused {
         request: &'static str,
@@ -105,6 +107,7 @@ impl CliError {
             | CliError::NoAnswer { .. }
             | CliError::ReleaseUnfinished { .. }
             | CliError::Degraded { .. }
+            | CliError::Unreadable { .. }
             | CliError::AgentStart { .. }
             | CliError::Signals { .. }
             | CliError::SpawnThread { .. }
@@ -137,6 +140,9 @@ impl fmt::Display for CliError {
             CliError::ReadInput { what, .. } => write!(f, "cannot read {what}"),
             CliError::Unreachable { socket, .. } => {
                 write!(f, "agent not running at {}", socket.display())
+            }
+            CliError::Unreadable { what, count } => {
+                write!(f, "{what}: {count} stored value(s) could not be read")
             }
             CliError::Degraded { problems } => {
                 write!(f, "the agent is degraded ({problems} problem(s))")
@@ -202,6 +208,7 @@ impl std::error::Error for CliError {
             CliError::Usage { .. }
             | CliError::NoAnswer { .. }
             | CliError::Degraded { .. }
+            | CliError::Unreadable { .. }
             | CliError::ReleaseUnfinished { .. }
             | CliError::NoState { .. }
             | CliError::NoFailpoints => None,

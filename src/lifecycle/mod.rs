@@ -164,9 +164,10 @@ impl Lifecycle {
         Ok(claim)
     }
 
-    /// Every claim of the claim store, or why it cannot tell now.
-    pub fn try_list_claims(&self) -> Result<Vec<Claim>, crate::claims::ClaimError> {
-        self.core.claims.try_list()
+    /// Every claim of the claim store (and a line per stored value that is
+    /// not one), or why it cannot tell now.
+    pub fn try_list_claims(&self) -> Result<(Vec<Claim>, Vec<String>), crate::claims::ClaimError> {
+        self.core.claims.list_with_problems()
     }
 
     pub fn registry(&self) -> &Registry {

@@ -20,6 +20,20 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
     let r = api.call("claim list", QUICK_CALL_TIMEOUT, |a, o| {
         a.list_claims(&req, o)
     })?;
+    // What cannot be read is said on stderr after the list, and fails it.
+    let problems = || -> Result<(), CliError> {
+        for p in &r.problems {
+            eprintln!("claimd: {p}");
+        }
+        if r.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(CliError::Unreadable {
+                what: "claim list",
+                count: r.problems.len(),
+            })
+        }
+    };
     if c.json() {
         let list: Vec<Value> = r
             .claims
@@ -30,8 +44,8 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
                        "external_node_id": x.external_node_id})
             })
             .collect();
-        println!("{}", json!({ "claims": list }));
-        return Ok(());
+        println!("{}", json!({ "claims": list, "problems": r.problems }));
+        return problems();
     }
     let mut rows = vec![vec![
         "VOLUME".to_string(),
@@ -52,7 +66,7 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
         ]);
     }
     print_table(&rows);
-    Ok(())
+    problems()
 }
 
 pub(super) fn claim_free(c: &Call) -> Result<(), CliError> {
