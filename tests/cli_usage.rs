@@ -44,19 +44,19 @@ fn unknown_verbs_are_usage_errors_with_or_without_help() {
     let dir = TestDir::new();
     let cases: [(&[&str], &str, &str); 6] = [
         (
-            &["volume", "create"],
-            "\"create\"",
-            "register, list, deregister",
+            &["volume", "destroy"],
+            "\"destroy\"",
+            "register, list, deregister, create, delete, expand, snapshot",
         ),
         (
-            &["volume", "create", "--help"],
-            "\"create\"",
-            "register, list, deregister",
+            &["volume", "destroy", "--help"],
+            "\"destroy\"",
+            "register, list, deregister, create, delete, expand, snapshot",
         ),
         (
-            &["volume", "-h", "create"],
-            "\"create\"",
-            "register, list, deregister",
+            &["snapshot", "-h", "rename"],
+            "\"rename\"",
+            "create, list, delete",
         ),
         (
             &["alloc", "unmount", "a1"],
@@ -171,7 +171,19 @@ fn every_verb_help_describes_that_verb() {
     }
     // A noun's help describes its verbs.
     for (noun, verbs) in [
-        ("volume", &["register", "list", "deregister"][..]),
+        (
+            "volume",
+            &[
+                "register",
+                "list",
+                "deregister",
+                "create",
+                "delete",
+                "expand",
+                "snapshot",
+            ][..],
+        ),
+        ("snapshot", &["create", "list", "delete"]),
         ("alloc", &["mount", "release", "status"]),
         ("plugin", &["list"]),
     ] {

@@ -155,6 +155,7 @@ fn identity_calls_report_name_capabilities_and_readiness() {
         PluginCapabilities {
             controller_service: true,
             accessibility_constraints: false,
+            ..Default::default()
         }
     );
     assert_eq!(c.probe().expect("Probe"), Readiness::Ready);
@@ -164,6 +165,7 @@ fn identity_calls_report_name_capabilities_and_readiness() {
             stage_unstage_volume: true,
             get_volume_stats: false,
             volume_condition: false,
+            ..Default::default()
         }
     );
     assert_eq!(
@@ -173,6 +175,7 @@ fn identity_calls_report_name_capabilities_and_readiness() {
             create_delete_volume: true,
             publish_unpublish_volume: true,
             publish_readonly: false,
+            ..Default::default()
         }
     );
 

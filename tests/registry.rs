@@ -354,6 +354,7 @@ fn waiter_returns_once_a_late_plugin_starts() {
         Some(PluginCapabilities {
             controller_service: true,
             accessibility_constraints: false,
+            ..Default::default()
         })
     );
     assert_eq!(
@@ -362,6 +363,7 @@ fn waiter_returns_once_a_late_plugin_starts() {
             stage_unstage_volume: true,
             get_volume_stats: false,
             volume_condition: false,
+            ..Default::default()
         })
     );
     assert_eq!(
@@ -370,6 +372,7 @@ fn waiter_returns_once_a_late_plugin_starts() {
             create_delete_volume: true,
             publish_unpublish_volume: true,
             publish_readonly: false,
+            ..Default::default()
         })
     );
     assert!(s.serves(PluginKind::Node) && s.serves(PluginKind::Controller));
@@ -931,6 +934,7 @@ fn monolith_without_controller_does_not_serve_the_controller_side() {
         Some(PluginCapabilities {
             controller_service: false,
             accessibility_constraints: false,
+            ..Default::default()
         })
     );
     assert_eq!(s.controller_capabilities, None);

@@ -1,9 +1,12 @@
 //! Conversions between the local API's wire messages and claimd's types.
 
-use crate::lifecycle::{AllocStatus, MountedVolume, ReleaseState};
+use crate::lifecycle::{AllocStatus, MountedVolume, ReleaseState, SnapshotView};
 use crate::observe::{Observer, StatsEntry};
 use crate::plugins::PluginSnapshot;
-use crate::volumes::{AccessMode, AttachmentMode, MountOptions, VolumeSpec};
+use crate::volumes::create::{AccessibilityRequirements, CapacityRange};
+use crate::volumes::{
+    AccessMode, AttachmentMode, ContentSource, MountOptions, Topology, VolumeCreate, VolumeSpec,
+};
 
 use super::wire as w;
 
@@ -39,7 +42,108 @@ pub fn volume_from_wire(v: &w::Volume) -> Result<VolumeSpec, String> {
             .iter()
             .map(|(k, x)| (k.clone(), x.clone()))
             .collect(),
+        accessible_topology: v
+            .accessible_topology
+            .iter()
+            .map(topology_from_wire)
+            .collect(),
+        capacity_bytes: v.capacity_bytes,
     })
+}
+
+pub fn topology_from_wire(t: &w::Topology) -> Topology {
+    t.segments
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+pub fn topology_to_wire(t: &Topology) -> w::Topology {
+    let mut x = w::Topology::new();
+    x.segments = t.clone().into_iter().collect();
+    x
+}
+
+/// A `volume create` definition onto the wire (with its secrets).
+pub fn create_to_wire(c: &VolumeCreate) -> w::CreateVolumeRequest {
+    let mut v = volume_to_wire(&c.spec());
+    v.secret_keys.clear();
+    v.secrets = c.secrets.clone().into_iter().collect();
+    let mut r = w::CreateVolumeRequest::new();
+    r.volume = protobuf::MessageField::some(v);
+    r.name = c.name.clone();
+    r.required_bytes = c.capacity_range.required_bytes;
+    r.limit_bytes = c.capacity_range.limit_bytes;
+    r.parameters = c.parameters.clone().into_iter().collect();
+    r.requisite = c
+        .accessibility_requirements
+        .requisite
+        .iter()
+        .map(topology_to_wire)
+        .collect();
+    r.preferred = c
+        .accessibility_requirements
+        .preferred
+        .iter()
+        .map(topology_to_wire)
+        .collect();
+    match &c.source {
+        Some(ContentSource::SnapshotId(s)) => r.source_snapshot_id = s.clone(),
+        Some(ContentSource::VolumeId(v)) => r.source_volume_id = v.clone(),
+        None => {}
+    }
+    r
+}
+
+/// A wire create request into a definition (validated by the caller).
+pub fn create_from_wire(r: &w::CreateVolumeRequest) -> Result<VolumeCreate, String> {
+    let v = r.volume.as_ref().ok_or("the request has no volume")?;
+    let spec = volume_from_wire(v)?;
+    let source = match (r.source_snapshot_id.as_str(), r.source_volume_id.as_str()) {
+        ("", "") => None,
+        (s, "") => Some(ContentSource::SnapshotId(s.to_string())),
+        ("", v) => Some(ContentSource::VolumeId(v.to_string())),
+        _ => return Err("a volume has one source: a snapshot or a volume, not both".into()),
+    };
+    Ok(VolumeCreate {
+        id: spec.id,
+        plugin_id: spec.plugin_id,
+        name: r.name.clone(),
+        access_modes: spec.access_modes,
+        attachment_modes: spec.attachment_modes,
+        mount_options: spec.mount_options,
+        secrets: spec.secrets,
+        capacity_range: CapacityRange {
+            required_bytes: r.required_bytes,
+            limit_bytes: r.limit_bytes,
+        },
+        parameters: r
+            .parameters
+            .iter()
+            .map(|(k, x)| (k.clone(), x.clone()))
+            .collect(),
+        accessibility_requirements: AccessibilityRequirements {
+            requisite: r.requisite.iter().map(topology_from_wire).collect(),
+            preferred: r.preferred.iter().map(topology_from_wire).collect(),
+        },
+        source,
+    })
+}
+
+pub fn snapshot_to_wire(s: &SnapshotView) -> w::Snapshot {
+    let mut x = w::Snapshot::new();
+    x.snapshot_id = s.info.snapshot_id.clone();
+    x.plugin_id = s.plugin_id.clone();
+    x.volume_id = s.volume_id.clone().unwrap_or_default();
+    x.external_volume_id = s.info.source_volume_id.clone();
+    x.size_bytes = s.info.size_bytes;
+    x.created_unix_ms = s
+        .info
+        .creation_time
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64);
+    x.ready_to_use = s.info.ready_to_use;
+    x
 }
 
 /// A spec onto the wire, without secret values.
@@ -62,6 +166,8 @@ pub fn volume_to_wire(s: &VolumeSpec) -> w::Volume {
     v.mount_flags = s.mount_options.mount_flags.clone();
     v.context = s.context.clone().into_iter().collect();
     v.secret_keys = s.secrets.keys().cloned().collect();
+    v.accessible_topology = s.accessible_topology.iter().map(topology_to_wire).collect();
+    v.capacity_bytes = s.capacity_bytes;
     v
 }
 
@@ -83,6 +189,7 @@ pub fn request_from_wire(r: &w::VolumeRequest) -> Result<crate::volumes::VolumeR
         access_mode,
         attachment,
         mount_flags: r.mount_flags.clone(),
+        mount_group: r.mount_group.clone(),
     })
 }
 
@@ -200,6 +307,7 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
     }
     if let Some(n) = &p.node_info {
         w.node_id = n.node_id.clone();
+        w.topology = n.topology.clone().into_iter().collect();
         w.max_volumes_per_node = n.max_volumes_per_node;
     }
     let mut caps = Vec::new();
@@ -210,6 +318,12 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
         if c.accessibility_constraints {
             caps.push("VOLUME_ACCESSIBILITY_CONSTRAINTS");
         }
+        if c.online_expansion {
+            caps.push("ONLINE_EXPANSION");
+        }
+        if c.offline_expansion {
+            caps.push("OFFLINE_EXPANSION");
+        }
     }
     if let Some(c) = &p.node_capabilities {
         if c.stage_unstage_volume {
@@ -217,6 +331,12 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
         }
         if c.get_volume_stats {
             caps.push("GET_VOLUME_STATS");
+        }
+        if c.expand_volume {
+            caps.push("NODE_EXPAND_VOLUME");
+        }
+        if c.volume_mount_group {
+            caps.push("VOLUME_MOUNT_GROUP");
         }
     }
     if let Some(c) = &p.controller_capabilities {
@@ -228,6 +348,18 @@ pub fn plugin_to_wire(p: &PluginSnapshot) -> w::Plugin {
         }
         if c.publish_readonly {
             caps.push("PUBLISH_READONLY");
+        }
+        if c.create_delete_snapshot {
+            caps.push("CREATE_DELETE_SNAPSHOT");
+        }
+        if c.list_snapshots {
+            caps.push("LIST_SNAPSHOTS");
+        }
+        if c.clone_volume {
+            caps.push("CLONE_VOLUME");
+        }
+        if c.expand_volume {
+            caps.push("EXPAND_VOLUME");
         }
     }
     w.capabilities = caps.into_iter().map(String::from).collect();

@@ -9,7 +9,9 @@ use parking_lot::Mutex;
 
 use super::convert::*;
 use super::{grpc, wire as w, MAX_RELEASE_WAIT, REPLY_TIMEOUT};
-use crate::lifecycle::{Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeRegistryError};
+use crate::lifecycle::{
+    Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
+};
 use crate::observe::Observer;
 use crate::plugins::Registry;
 use crate::threads::Threads;
@@ -32,6 +34,8 @@ fn mount_status(e: &MountError) -> RpcStatus {
         MountError::Claim { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::Csi { .. } => RpcStatusCode::INTERNAL,
         MountError::Timeout { .. } => RpcStatusCode::DEADLINE_EXCEEDED,
+        MountError::Topology(_) => RpcStatusCode::FAILED_PRECONDITION,
+        MountError::MountGroupUnsupported { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::Incompatible { .. } => RpcStatusCode::FAILED_PRECONDITION,
         MountError::VolumeLimit { .. } => RpcStatusCode::RESOURCE_EXHAUSTED,
         MountError::State(_) => RpcStatusCode::INTERNAL,
@@ -45,6 +49,31 @@ fn release_status(e: &ReleaseError) -> RpcStatus {
         ReleaseError::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
         ReleaseError::Stopping => RpcStatusCode::UNAVAILABLE,
         _ => RpcStatusCode::INTERNAL,
+    };
+    status(code, crate::error_chain(e))
+}
+
+fn volume_op_status(e: &VolumeOpError) -> RpcStatus {
+    let code = match e {
+        VolumeOpError::Invalid(_) | VolumeOpError::Request(_) | VolumeOpError::Shrink { .. } => {
+            RpcStatusCode::INVALID_ARGUMENT
+        }
+        VolumeOpError::UnknownVolume { .. }
+        | VolumeOpError::UnknownSnapshot { .. }
+        | VolumeOpError::UnknownPlugin { .. } => RpcStatusCode::NOT_FOUND,
+        VolumeOpError::Plugin(_) => RpcStatusCode::UNAVAILABLE,
+        VolumeOpError::Unsupported { .. } | VolumeOpError::Conflict { .. } => {
+            RpcStatusCode::FAILED_PRECONDITION
+        }
+        // The plugin's own code, except that its INVALID_ARGUMENT is a
+        // refusal of the plugin, not of the request to claimd.
+        VolumeOpError::Csi { source, .. } => match source.code() {
+            Some(RpcStatusCode::INVALID_ARGUMENT) | None => RpcStatusCode::FAILED_PRECONDITION,
+            Some(c) => c,
+        },
+        VolumeOpError::Registry(e) => return registry_status(e),
+        VolumeOpError::Lock(_) => RpcStatusCode::ABORTED,
+        VolumeOpError::State(_) => RpcStatusCode::INTERNAL,
     };
     status(code, crate::error_chain(e))
 }
@@ -381,6 +410,124 @@ impl grpc::Claimd for Service {
                 })?;
             let mut r = w::FreeClaimResponse::new();
             r.claim = protobuf::MessageField::some(claim_to_wire(&c));
+            Ok(r)
+        });
+    }
+
+    fn create_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::CreateVolumeRequest,
+        sink: UnarySink<w::CreateVolumeResponse>,
+    ) {
+        self.run(&ctx, "create-volume", sink, move |s| {
+            let create =
+                create_from_wire(&req).map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e))?;
+            let (spec, warnings) = s
+                .lifecycle
+                .create_volume(&create)
+                .map_err(|e| volume_op_status(&e))?;
+            for warning in &warnings {
+                log::warn!("{warning}");
+            }
+            let mut r = w::CreateVolumeResponse::new();
+            r.volume = protobuf::MessageField::some(volume_to_wire(&spec));
+            r.warnings = warnings;
+            Ok(r)
+        });
+    }
+
+    fn delete_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::DeleteVolumeRequest,
+        sink: UnarySink<w::DeleteVolumeResponse>,
+    ) {
+        self.run(&ctx, "delete-volume", sink, move |s| {
+            s.lifecycle
+                .delete_volume(&req.volume_id)
+                .map_err(|e| volume_op_status(&e))?;
+            Ok(w::DeleteVolumeResponse::new())
+        });
+    }
+
+    fn create_snapshot(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::CreateSnapshotRequest,
+        sink: UnarySink<w::CreateSnapshotResponse>,
+    ) {
+        self.run(&ctx, "create-snapshot", sink, move |s| {
+            let parameters = req
+                .parameters
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let snap = s
+                .lifecycle
+                .create_snapshot(&req.volume_id, &req.name, &parameters)
+                .map_err(|e| volume_op_status(&e))?;
+            let mut r = w::CreateSnapshotResponse::new();
+            r.snapshot = protobuf::MessageField::some(snapshot_to_wire(&snap));
+            Ok(r)
+        });
+    }
+
+    fn list_snapshots(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::ListSnapshotsRequest,
+        sink: UnarySink<w::ListSnapshotsResponse>,
+    ) {
+        self.run(&ctx, "list-snapshots", sink, move |s| {
+            let volume = Some(req.volume_id.as_str()).filter(|v| !v.is_empty());
+            let snaps = s
+                .lifecycle
+                .list_snapshots(volume)
+                .map_err(|e| volume_op_status(&e))?;
+            let mut r = w::ListSnapshotsResponse::new();
+            r.snapshots = snaps.iter().map(snapshot_to_wire).collect();
+            Ok(r)
+        });
+    }
+
+    fn delete_snapshot(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::DeleteSnapshotRequest,
+        sink: UnarySink<w::DeleteSnapshotResponse>,
+    ) {
+        self.run(&ctx, "delete-snapshot", sink, move |s| {
+            let plugin = Some(req.plugin_id.as_str()).filter(|p| !p.is_empty());
+            let plugin_id = s
+                .lifecycle
+                .delete_snapshot(&req.snapshot_id, plugin)
+                .map_err(|e| volume_op_status(&e))?;
+            let mut r = w::DeleteSnapshotResponse::new();
+            r.plugin_id = plugin_id;
+            Ok(r)
+        });
+    }
+
+    fn expand_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::ExpandVolumeRequest,
+        sink: UnarySink<w::ExpandVolumeResponse>,
+    ) {
+        self.run(&ctx, "expand-volume", sink, move |s| {
+            let done = s
+                .lifecycle
+                .expand_volume(&req.volume_id, req.required_bytes)
+                .map_err(|e| volume_op_status(&e))?;
+            let mut r = w::ExpandVolumeResponse::new();
+            r.capacity_bytes = done.capacity_bytes;
+            r.node_expanded = done
+                .node_expanded
+                .iter()
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect();
+            r.node_expansion_pending = done.node_expansion_pending;
             Ok(r)
         });
     }

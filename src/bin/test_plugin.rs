@@ -34,6 +34,8 @@ mod plugin;
 mod server;
 #[path = "test_plugin/stagings.rs"]
 mod stagings;
+#[path = "test_plugin/volume_ops.rs"]
+mod volume_ops;
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -47,7 +49,7 @@ use config::{Config, Parsed, USAGE};
 
 fn main() -> ExitCode {
     let config = match Config::parse(std::env::args_os().skip(1)) {
-        Ok(Parsed::Run(config)) => config,
+        Ok(Parsed::Run(config)) => *config,
         Ok(Parsed::Help) => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;

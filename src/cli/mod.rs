@@ -156,7 +156,8 @@ mod tests {
             &["state", "--dev", "--state-dir", "/x"],
             &["volume"],
             &["volume", "create"],
-            &["volume", "create", "--help"],
+            &["volume", "destroy"],
+            &["volume", "destroy", "--help"],
         ] {
             let e = run_args(a).expect_err("usage error");
             assert_eq!(e.exit(), Exit::Usage, "{a:?}: {e}");

@@ -37,6 +37,11 @@ pub enum CsiMethod {
     ControllerGetCapabilities,
     CreateVolume,
     DeleteVolume,
+    CreateSnapshot,
+    DeleteSnapshot,
+    ListSnapshots,
+    ControllerExpandVolume,
+    NodeExpandVolume,
 }
 
 impl CsiMethod {
@@ -57,6 +62,11 @@ impl CsiMethod {
             CsiMethod::ControllerGetCapabilities => "ControllerGetCapabilities",
             CsiMethod::CreateVolume => "CreateVolume",
             CsiMethod::DeleteVolume => "DeleteVolume",
+            CsiMethod::CreateSnapshot => "CreateSnapshot",
+            CsiMethod::DeleteSnapshot => "DeleteSnapshot",
+            CsiMethod::ListSnapshots => "ListSnapshots",
+            CsiMethod::ControllerExpandVolume => "ControllerExpandVolume",
+            CsiMethod::NodeExpandVolume => "NodeExpandVolume",
         }
     }
 
@@ -73,12 +83,17 @@ impl CsiMethod {
             | CsiMethod::NodeUnpublishVolume
             | CsiMethod::NodeGetCapabilities
             | CsiMethod::NodeGetInfo
-            | CsiMethod::NodeGetVolumeStats => "Node",
+            | CsiMethod::NodeGetVolumeStats
+            | CsiMethod::NodeExpandVolume => "Node",
             CsiMethod::ControllerPublishVolume
             | CsiMethod::ControllerUnpublishVolume
             | CsiMethod::ControllerGetCapabilities
             | CsiMethod::CreateVolume
-            | CsiMethod::DeleteVolume => "Controller",
+            | CsiMethod::DeleteVolume
+            | CsiMethod::CreateSnapshot
+            | CsiMethod::DeleteSnapshot
+            | CsiMethod::ListSnapshots
+            | CsiMethod::ControllerExpandVolume => "Controller",
         };
         format!("/csi.v1.{service}/{}", self.name())
     }
@@ -91,6 +106,7 @@ impl CsiMethod {
                 | CsiMethod::NodeUnstageVolume
                 | CsiMethod::ControllerUnpublishVolume
                 | CsiMethod::DeleteVolume
+                | CsiMethod::DeleteSnapshot
         )
     }
 }
@@ -311,6 +327,10 @@ impl std::error::Error for CsiError {
 pub struct PluginCapabilities {
     pub controller_service: bool,
     pub accessibility_constraints: bool,
+    /// VolumeExpansion ONLINE: expansion while the volume is published.
+    pub online_expansion: bool,
+    /// VolumeExpansion OFFLINE: expansion only while it is not.
+    pub offline_expansion: bool,
 }
 
 /// What NodeGetCapabilities said, with unknown values ignored.
@@ -319,6 +339,8 @@ pub struct NodeCapabilities {
     pub stage_unstage_volume: bool,
     pub get_volume_stats: bool,
     pub volume_condition: bool,
+    pub expand_volume: bool,
+    pub volume_mount_group: bool,
 }
 
 /// What ControllerGetCapabilities said, with unknown values ignored.
@@ -327,6 +349,10 @@ pub struct ControllerCapabilities {
     pub create_delete_volume: bool,
     pub publish_unpublish_volume: bool,
     pub publish_readonly: bool,
+    pub create_delete_snapshot: bool,
+    pub list_snapshots: bool,
+    pub clone_volume: bool,
+    pub expand_volume: bool,
 }
 
 /// What NodeGetInfo said.
@@ -396,8 +422,8 @@ pub struct CsiClient {
     /// The `driver_name` label of this client's calls in the metrics.
     driver: Arc<str>,
     identity: IdentityClient,
-    node: NodeClient,
-    controller: ControllerClient,
+    pub(super) node: NodeClient,
+    pub(super) controller: ControllerClient,
 }
 
 impl fmt::Debug for CsiClient {
@@ -444,7 +470,7 @@ impl CsiClient {
         self.timeout
     }
 
-    fn call<R>(
+    pub(super) fn call<R>(
         &self,
         method: CsiMethod,
         volume: &str,
@@ -510,15 +536,22 @@ impl CsiClient {
                 .get_plugin_capabilities(&GetPluginCapabilitiesRequest::new(), o)
         })?;
         let mut caps = PluginCapabilities::default();
+        use plugin_capability::volume_expansion::Type as Expansion;
         for c in &r.capabilities {
-            if let Some(plugin_capability::Type::Service(s)) = &c.type_ {
-                match s.type_.enum_value() {
+            match &c.type_ {
+                Some(plugin_capability::Type::Service(s)) => match s.type_.enum_value() {
                     Ok(Type::CONTROLLER_SERVICE) => caps.controller_service = true,
                     Ok(Type::VOLUME_ACCESSIBILITY_CONSTRAINTS) => {
                         caps.accessibility_constraints = true
                     }
                     _ => {}
-                }
+                },
+                Some(plugin_capability::Type::VolumeExpansion(e)) => match e.type_.enum_value() {
+                    Ok(Expansion::ONLINE) => caps.online_expansion = true,
+                    Ok(Expansion::OFFLINE) => caps.offline_expansion = true,
+                    _ => {}
+                },
+                _ => {}
             }
         }
         Ok(caps)
@@ -574,6 +607,8 @@ impl CsiClient {
                     Ok(Type::STAGE_UNSTAGE_VOLUME) => caps.stage_unstage_volume = true,
                     Ok(Type::GET_VOLUME_STATS) => caps.get_volume_stats = true,
                     Ok(Type::VOLUME_CONDITION) => caps.volume_condition = true,
+                    Ok(Type::EXPAND_VOLUME) => caps.expand_volume = true,
+                    Ok(Type::VOLUME_MOUNT_GROUP) => caps.volume_mount_group = true,
                     _ => {}
                 }
             }
@@ -594,6 +629,10 @@ impl CsiClient {
                     Ok(Type::CREATE_DELETE_VOLUME) => caps.create_delete_volume = true,
                     Ok(Type::PUBLISH_UNPUBLISH_VOLUME) => caps.publish_unpublish_volume = true,
                     Ok(Type::PUBLISH_READONLY) => caps.publish_readonly = true,
+                    Ok(Type::CREATE_DELETE_SNAPSHOT) => caps.create_delete_snapshot = true,
+                    Ok(Type::LIST_SNAPSHOTS) => caps.list_snapshots = true,
+                    Ok(Type::CLONE_VOLUME) => caps.clone_volume = true,
+                    Ok(Type::EXPAND_VOLUME) => caps.expand_volume = true,
                     _ => {}
                 }
             }
@@ -678,25 +717,6 @@ impl CsiClient {
             });
         }
         Ok(stats)
-    }
-
-    pub fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
-        let m = CsiMethod::CreateVolume;
-        let r = self.call(m, &req.name, |o| self.controller.create_volume(req, o))?;
-        match r.volume.into_option() {
-            Some(v) if !v.volume_id.is_empty() => Ok(v),
-            _ => Err(CsiError::MissingField {
-                method: m,
-                field: "volume.volume_id",
-            }),
-        }
-    }
-
-    pub fn delete_volume(&self, req: &DeleteVolumeRequest) -> Result<(), CsiError> {
-        self.call(CsiMethod::DeleteVolume, &req.volume_id, |o| {
-            self.controller.delete_volume(req, o)
-        })
-        .map(drop)
     }
 }
 

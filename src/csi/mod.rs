@@ -11,3 +11,6 @@ pub mod grpc {
 
 mod client;
 pub use client::*;
+
+mod operations;
+pub use operations::*;

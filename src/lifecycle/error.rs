@@ -134,6 +134,18 @@ impl From<StillMounted> for StepError {
     }
 }
 
+/// A volume whose accessible topology does not include this node.
+#[derive(Debug)]
+pub struct TopologyMismatch {
+    pub alias: String,
+    pub volume_id: String,
+    /// `{zone=z1} or {zone=z2}`.
+    pub volume_topology: String,
+    pub plugin_id: String,
+    pub node_id: String,
+    pub node_topology: String,
+}
+
 #[derive(Debug)]
 pub enum MountError {
     Invalid(SpecError),
@@ -172,6 +184,14 @@ pub enum MountError {
         volume_id: String,
         holder: String,
         why: String,
+    },
+    /// None of the volume's accessible topology segment sets is a subset
+    /// of the node plugin's segments: the volume cannot be used here.
+    Topology(Box<TopologyMismatch>),
+    /// A mount group was asked of a node plugin without VOLUME_MOUNT_GROUP.
+    MountGroupUnsupported {
+        alias: String,
+        plugin_id: String,
     },
     /// The node plugin's `max_volumes_per_node` is reached on this node.
     VolumeLimit {
@@ -237,6 +257,16 @@ impl fmt::Display for MountError {
                 why,
                 ..
             } => write!(f, "volume {alias} ({volume_id}) cannot be mounted: {why}"),
+            MountError::Topology(m) => write!(
+                f,
+                "volume {} ({}) cannot be used on this node: it is accessible from {}, \
+                 and node plugin {} puts node {} in {}",
+                m.alias, m.volume_id, m.volume_topology, m.plugin_id, m.node_id, m.node_topology
+            ),
+            MountError::MountGroupUnsupported { alias, plugin_id } => write!(
+                f,
+                "volume {alias} cannot be mounted with a mount group: node plugin {plugin_id} does not offer VOLUME_MOUNT_GROUP"
+            ),
             MountError::VolumeLimit {
                 alias,
                 plugin_id,
@@ -411,5 +441,125 @@ impl std::error::Error for VolumeRegistryError {
 impl From<StateError> for VolumeRegistryError {
     fn from(e: StateError) -> Self {
         VolumeRegistryError::State(e)
+    }
+}
+
+/// Why a volume operation (create, delete, snapshot, expand) did not go
+/// through. Nothing changed unless the plugin's call succeeded and a later
+/// step failed, which the message then says.
+#[derive(Debug)]
+pub enum VolumeOpError {
+    Invalid(SpecError),
+    /// The request is malformed or asks for something impossible.
+    Request(String),
+    UnknownVolume {
+        volume_id: String,
+    },
+    UnknownSnapshot {
+        snapshot_id: String,
+    },
+    /// The plugin is not configured on this agent.
+    UnknownPlugin {
+        plugin_id: String,
+    },
+    /// The controller (or node) plugin did not become ready.
+    Plugin(WaitError),
+    /// The plugin does not offer what the operation needs.
+    Unsupported {
+        plugin_id: String,
+        capability: &'static str,
+        operation: String,
+    },
+    /// The plugin refused the call; its reason follows in the chain.
+    Csi {
+        operation: String,
+        source: CsiError,
+    },
+    /// A size smaller than the volume has.
+    Shrink {
+        volume_id: String,
+        current: i64,
+        asked: i64,
+    },
+    /// The registration conflicts with what the plugin answered.
+    Conflict {
+        volume_id: String,
+        why: String,
+    },
+    Registry(VolumeRegistryError),
+    Lock(LockTimeout),
+    State(StateError),
+}
+
+impl fmt::Display for VolumeOpError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VolumeOpError::Invalid(e) => e.fmt(f),
+            VolumeOpError::Request(why) => f.write_str(why),
+            VolumeOpError::UnknownVolume { volume_id } => {
+                write!(f, "volume {volume_id} is not registered")
+            }
+            VolumeOpError::UnknownSnapshot { snapshot_id } => write!(
+                f,
+                "snapshot {snapshot_id} is not known to any plugin that lists snapshots"
+            ),
+            VolumeOpError::UnknownPlugin { plugin_id } => write!(
+                f,
+                "plugin {plugin_id} is neither configured nor in the plugin directory of this agent"
+            ),
+            VolumeOpError::Plugin(e) => e.fmt(f),
+            VolumeOpError::Unsupported {
+                plugin_id,
+                capability,
+                operation,
+            } => write!(
+                f,
+                "cannot {operation}: plugin {plugin_id} does not offer {capability}"
+            ),
+            VolumeOpError::Csi { operation, .. } => {
+                write!(f, "cannot {operation}: the plugin refused")
+            }
+            VolumeOpError::Shrink {
+                volume_id,
+                current,
+                asked,
+            } => write!(
+                f,
+                "volume {volume_id} has {current} bytes; it cannot shrink to {asked} bytes"
+            ),
+            VolumeOpError::Conflict { volume_id, why } => write!(f, "volume {volume_id}: {why}"),
+            VolumeOpError::Registry(e) => e.fmt(f),
+            VolumeOpError::Lock(e) => e.fmt(f),
+            VolumeOpError::State(_) => write!(f, "the volume registry could not be saved"),
+        }
+    }
+}
+
+impl std::error::Error for VolumeOpError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            VolumeOpError::Csi { source, .. } => Some(source),
+            VolumeOpError::Registry(e) => e.source(),
+            VolumeOpError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StateError> for VolumeOpError {
+    fn from(e: StateError) -> Self {
+        VolumeOpError::State(e)
+    }
+}
+
+impl From<VolumeRegistryError> for VolumeOpError {
+    fn from(e: VolumeRegistryError) -> Self {
+        VolumeOpError::Registry(e)
+    }
+}
+
+impl From<LockTimeout> for VolumeOpError {
+    fn from(e: LockTimeout) -> Self {
+        VolumeOpError::Lock(e)
     }
 }

@@ -17,12 +17,15 @@ mod core;
 mod down;
 mod error;
 mod mount;
+mod placement;
 mod plan;
 mod progress;
 mod release;
 mod restore;
+mod snapshots;
 mod status;
 mod up;
+mod volume_ops;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,12 +35,16 @@ use parking_lot::Mutex;
 
 use self::core::Core;
 pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF};
-pub use error::{FreeClaimError, MountError, ReleaseError, StepError, VolumeRegistryError};
+pub use error::{
+    FreeClaimError, MountError, ReleaseError, StepError, VolumeOpError, VolumeRegistryError,
+};
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
 pub use release::ReleaseStart;
 pub use restore::{RestoreProgress, RestoreReport};
+pub use snapshots::SnapshotView;
 pub use status::{AllocStatus, VolumeStatus};
+pub use volume_ops::Expansion;
 
 use crate::claims::{Claim, ClaimStore};
 use crate::plugins::Registry;
@@ -45,7 +52,7 @@ use crate::shutdown::Shutdown;
 use crate::state::StateStore;
 use crate::threads::Threads;
 use crate::volumes::lock::OperationLocks;
-use crate::volumes::{Paths, SpecError, VolumeRequest, VolumeSpec};
+use crate::volumes::{Paths, SpecError, VolumeCreate, VolumeRequest, VolumeSpec};
 
 /// The allocation lifecycle. Cheap to clone.
 #[derive(Clone)]
@@ -283,6 +290,76 @@ impl Lifecycle {
                 .store
                 .read(|s| s.volumes.values().map(|v| (**v).clone()).collect())),
         }
+    }
+
+    // ---- volume operations through the controller -----------------------
+
+    /// CreateVolume, then registration of the plugin's answer (external
+    /// ID, context, topology, capacity). Answers the registered spec and
+    /// warnings for the operator. The same request again answers the same
+    /// volume.
+    pub fn create_volume(
+        &self,
+        req: &VolumeCreate,
+    ) -> Result<(VolumeSpec, Vec<String>), VolumeOpError> {
+        let spec = volume_ops::create(&self.core, req)?;
+        let warnings = self.register_volume(spec.clone())?;
+        Ok((spec, warnings))
+    }
+
+    /// DeleteVolume of a volume no allocation claims or uses, then its
+    /// deregistration.
+    pub fn delete_volume(&self, id: &str) -> Result<(), VolumeOpError> {
+        let unused = || -> Result<(), VolumeOpError> {
+            self.refuse_if_claimed(id)?;
+            let holder = self.core.store.read(|s| {
+                s.alloc_volumes()
+                    .find(|(_, v)| v.volume_id == id)
+                    .map(|(a, _)| a.id.clone())
+            });
+            match holder {
+                Some(holder) => Err(VolumeRegistryError::InUse {
+                    volume_id: id.to_string(),
+                    holder,
+                }
+                .into()),
+                None => Ok(()),
+            }
+        };
+        volume_ops::delete(&self.core, id, &unused)?;
+        self.deregister_volume(id)?;
+        Ok(())
+    }
+
+    /// ControllerExpandVolume to `size` bytes, the new capacity recorded,
+    /// then NodeExpandVolume where this node has the volume mounted.
+    pub fn expand_volume(&self, id: &str, size: i64) -> Result<Expansion, VolumeOpError> {
+        volume_ops::expand(&self.core, id, size)
+    }
+
+    pub fn create_snapshot(
+        &self,
+        volume_id: &str,
+        name: &str,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<SnapshotView, VolumeOpError> {
+        snapshots::create(&self.core, volume_id, name, parameters)
+    }
+
+    pub fn list_snapshots(
+        &self,
+        volume_id: Option<&str>,
+    ) -> Result<Vec<SnapshotView>, VolumeOpError> {
+        snapshots::list(&self.core, volume_id)
+    }
+
+    /// Deletes a snapshot; answers the plugin that had it.
+    pub fn delete_snapshot(
+        &self,
+        snapshot_id: &str,
+        plugin_id: Option<&str>,
+    ) -> Result<String, VolumeOpError> {
+        snapshots::delete(&self.core, snapshot_id, plugin_id)
     }
 
     // ---- allocations ----------------------------------------------------

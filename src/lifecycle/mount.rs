@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::core::{Core, Step};
 use super::error::{MountError, StepError};
+use super::placement::check_node_fits;
 use super::plan::{check_volume_limit, controller_for, ready_plans, Plan};
 use super::progress::NotNow;
 use super::release;
@@ -253,6 +254,11 @@ fn wanted_records(
                 });
             }
             let usage = r.resolve(spec)?;
+            // Topology and mount group, before any claim, when the node
+            // plugin is known already (else after waiting for it).
+            if let Some(node) = core.registry.get_ready(&spec.plugin_id, PluginKind::Node) {
+                check_node_fits(&r.alias, spec, &r.mount_group, &node)?;
+            }
             wanted.insert(
                 r.alias.clone(),
                 new_record(&core.paths, alloc_id, r, spec, usage),
@@ -288,6 +294,30 @@ fn wanted_records(
                     ),
                 });
             }
+            // The staging is mounted once, for one mount group.
+            let other = s.alloc_volumes().find(|(a, o)| {
+                a.id != alloc_id && o.volume_id == w.volume_id && o.mount_group != w.mount_group
+            });
+            if let Some((a, o)) = other {
+                let group = |g: &str| {
+                    if g.is_empty() {
+                        "no mount group".to_string()
+                    } else {
+                        format!("mount group {g}")
+                    }
+                };
+                return Err(MountError::Incompatible {
+                    alias: w.alias.clone(),
+                    volume_id: w.volume_id.clone(),
+                    holder: a.id.clone(),
+                    why: format!(
+                        "allocation {} uses it on this node with {}; {} cannot share its staging",
+                        a.id,
+                        group(&o.mount_group),
+                        group(&w.mount_group)
+                    ),
+                });
+            }
         }
         Ok(Some(wanted))
     }
@@ -296,10 +326,9 @@ fn wanted_records(
 fn same_volumes(existing: &AllocRecord, wanted: &BTreeMap<String, AllocVolume>) -> bool {
     existing.volumes.len() == wanted.len()
         && wanted.iter().all(|(alias, w)| {
-            existing
-                .volumes
-                .get(alias)
-                .is_some_and(|v| v.volume_id == w.volume_id && v.usage == w.usage)
+            existing.volumes.get(alias).is_some_and(|v| {
+                v.volume_id == w.volume_id && v.usage == w.usage && v.mount_group == w.mount_group
+            })
         })
 }
 
@@ -318,6 +347,7 @@ fn new_record(
         external_node_id: None,
         usage,
         mount_flags: r.mount_flags.clone(),
+        mount_group: r.mount_group.clone(),
         staging_path: None,
         target_path: paths.target(alloc_id, &spec.id, &usage),
         publish_context: BTreeMap::new(),
@@ -401,6 +431,12 @@ fn mount_volume_steps(
     let controller = controller_for(core, alloc_id, &rec.plugin_id, alias)?;
     // The claim, retrying while another allocation holds it.
     if rec.phase == Phase::Claiming {
+        let spec = core
+            .spec(&rec.volume_id)
+            .ok_or_else(|| MountError::UnknownVolume {
+                volume_id: rec.volume_id.clone(),
+            })?;
+        check_node_fits(alias, &spec, &rec.mount_group, &node)?;
         let plan = Plan::new(&node, controller.is_some());
         core.store
             .read(|s| check_volume_limit(s, &plan, &rec, &BTreeSet::new()))?;

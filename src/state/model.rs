@@ -134,6 +134,9 @@ pub struct AllocVolume {
     pub usage: Usage,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mount_flags: Vec<String>,
+    /// CSI `volume_mount_group` for NodeStage and NodePublish; empty: none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mount_group: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging_path: Option<PathBuf>,
     pub target_path: PathBuf,
@@ -158,6 +161,7 @@ impl AllocVolume {
             external_node_id: self.external_node_id.as_deref(),
             usage: &self.usage,
             mount_flags: &self.mount_flags,
+            mount_group: &self.mount_group,
             staging_path: self.staging_path.as_deref(),
             target_path: &self.target_path,
             publish_context: &self.publish_context,

@@ -124,6 +124,7 @@ mod tests {
                 read_only: false,
             },
             mount_flags: Vec::new(),
+            mount_group: String::new(),
             staging_path: staging.then(|| PathBuf::from("/m/staging/v")),
             target_path: PathBuf::from(format!("/m/per-alloc/{alias}")),
             publish_context: [("k".to_string(), alias.to_string())].into(),

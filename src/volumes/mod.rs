@@ -7,16 +7,18 @@
 //! Usage counting (which records hold a staging path or an attachment) is a
 //! query over the records and lives with them, in `crate::state::usage`.
 
+pub mod create;
 pub mod lock;
 pub mod mounted;
 pub mod paths;
 pub mod requests;
 pub mod spec;
 
+pub use create::{ContentSource, VolumeCreate};
 pub use lock::{OperationLock, OperationLocks};
 pub use paths::Paths;
 pub use requests::volume_capability;
 pub use spec::{
-    validate_requests, AccessMode, AttachmentMode, MountOptions, SpecError, Usage, VolumeRequest,
-    VolumeSpec,
+    topology_text, validate_requests, AccessMode, AttachmentMode, MountOptions, SpecError,
+    Topology, Usage, VolumeRequest, VolumeSpec,
 };

@@ -18,16 +18,21 @@ pub struct VolumeRef<'a> {
     pub external_node_id: Option<&'a str>,
     pub usage: &'a Usage,
     pub mount_flags: &'a [String],
+    /// CSI `volume_mount_group` (node calls only); empty: none.
+    pub mount_group: &'a str,
     pub staging_path: Option<&'a Path>,
     pub target_path: &'a Path,
     pub publish_context: &'a BTreeMap<String, String>,
 }
 
-/// The CSI volume capability for a usage.
+/// The CSI volume capability for a usage. `mount_group` goes only to
+/// NodeStage and NodePublish (of node plugins with VOLUME_MOUNT_GROUP, which
+/// the mount checked before its claim).
 pub fn volume_capability(
     usage: &Usage,
     opts: &MountOptions,
     extra_flags: &[String],
+    mount_group: &str,
 ) -> csi::VolumeCapability {
     let mut cap = csi::VolumeCapability::new();
     let mut mode = csi::volume_capability::AccessMode::new();
@@ -48,6 +53,7 @@ pub fn volume_capability(
                 .chain(extra_flags)
                 .cloned()
                 .collect();
+            m.volume_mount_group = mount_group.to_string();
             cap.access_type = Some(csi::volume_capability::Access_type::Mount(m));
         }
     }
@@ -68,13 +74,14 @@ struct RequestFields {
     staging_target_path: String,
 }
 
-fn request_fields(rec: VolumeRef<'_>, spec: &VolumeSpec) -> RequestFields {
+fn request_fields(rec: VolumeRef<'_>, spec: &VolumeSpec, node: bool) -> RequestFields {
     RequestFields {
         volume_id: rec.external_volume_id.to_string(),
         capability: protobuf::MessageField::some(volume_capability(
             rec.usage,
             &spec.mount_options,
             rec.mount_flags,
+            if node { rec.mount_group } else { "" },
         )),
         secrets: secrets(spec),
         volume_context: spec.context.clone().into_iter().collect(),
@@ -97,7 +104,7 @@ pub fn controller_publish(
     spec: &VolumeSpec,
     publish_readonly: bool,
 ) -> csi::ControllerPublishVolumeRequest {
-    let f = request_fields(rec, spec);
+    let f = request_fields(rec, spec, false);
     csi::ControllerPublishVolumeRequest {
         volume_id: f.volume_id,
         node_id: rec.external_node_id.unwrap_or_default().to_string(),
@@ -110,7 +117,7 @@ pub fn controller_publish(
 }
 
 pub fn node_stage(rec: VolumeRef<'_>, spec: &VolumeSpec) -> csi::NodeStageVolumeRequest {
-    let f = request_fields(rec, spec);
+    let f = request_fields(rec, spec, true);
     csi::NodeStageVolumeRequest {
         volume_id: f.volume_id,
         publish_context: f.publish_context,
@@ -123,7 +130,7 @@ pub fn node_stage(rec: VolumeRef<'_>, spec: &VolumeSpec) -> csi::NodeStageVolume
 }
 
 pub fn node_publish(rec: VolumeRef<'_>, spec: &VolumeSpec) -> csi::NodePublishVolumeRequest {
-    let f = request_fields(rec, spec);
+    let f = request_fields(rec, spec, true);
     csi::NodePublishVolumeRequest {
         volume_id: f.volume_id,
         publish_context: f.publish_context,

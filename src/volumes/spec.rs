@@ -159,6 +159,48 @@ pub struct VolumeSpec {
     pub context: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secrets: BTreeMap<String, String>,
+    /// Where the volume can be used: a node qualifies when one of these
+    /// segment sets is a subset of its node plugin's segments. Empty: on
+    /// every node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<Topology>,
+    /// The capacity the plugin last reported (CreateVolume,
+    /// ControllerExpandVolume); 0: unknown.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub capacity_bytes: i64,
+}
+
+/// One set of topology segments (`{"zone": "z1", "rack": "r7"}`).
+pub type Topology = BTreeMap<String, String>;
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
+}
+
+/// `{region=r1, zone=z1}`.
+pub fn topology_text(t: &Topology) -> String {
+    let parts: Vec<String> = t.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("{{{}}}", parts.join(", "))
+}
+
+impl VolumeSpec {
+    /// Whether a node with `segments` may use the volume: the volume names
+    /// no topology, or one of its segment sets is a subset of the node's
+    /// (Kubernetes' rule; a node may carry more keys than the volume asks
+    /// for).
+    pub fn accessible_from(&self, segments: &Topology) -> bool {
+        self.accessible_topology.is_empty()
+            || self
+                .accessible_topology
+                .iter()
+                .any(|t| t.iter().all(|(k, v)| segments.get(k) == Some(v)))
+    }
+
+    /// The accessible topology for messages: `{zone=z1} or {zone=z2}`.
+    pub fn topology_text(&self) -> String {
+        let sets: Vec<String> = self.accessible_topology.iter().map(topology_text).collect();
+        sets.join(" or ")
+    }
 }
 
 impl fmt::Debug for VolumeSpec {
@@ -175,6 +217,8 @@ impl fmt::Debug for VolumeSpec {
                 "secrets",
                 &format_args!("<{} redacted>", self.secrets.len()),
             )
+            .field("accessible_topology", &self.accessible_topology)
+            .field("capacity_bytes", &self.capacity_bytes)
             .finish()
     }
 }
@@ -237,6 +281,9 @@ impl VolumeSpec {
         if flags > 4096 {
             return Err(invalid(what, "mount_flags exceed the 4 KiB CSI allows"));
         }
+        if self.capacity_bytes < 0 {
+            return Err(invalid(what, "capacity_bytes must not be negative"));
+        }
         Ok(())
     }
 }
@@ -275,6 +322,11 @@ pub struct VolumeRequest {
     /// Extra mount flags for this allocation (added to the volume's).
     #[serde(default)]
     pub mount_flags: Vec<String>,
+    /// CSI `volume_mount_group` (a group ID the plugin mounts the volume
+    /// for); empty: none. Only file-system volumes, only node plugins with
+    /// VOLUME_MOUNT_GROUP.
+    #[serde(default)]
+    pub mount_group: String,
 }
 
 impl VolumeRequest {
@@ -314,6 +366,12 @@ impl VolumeRequest {
             ));
         }
         let attachment = match self.attachment {
+            Some(a) if !self.mount_group.is_empty() && a == AttachmentMode::BlockDevice => {
+                return Err(invalid(
+                    what,
+                    "a mount group applies to file-system volumes only, not to block devices",
+                ))
+            }
             Some(a) if spec.attachment_modes.contains(&a) => a,
             Some(a) => {
                 return Err(invalid(
@@ -324,6 +382,16 @@ impl VolumeRequest {
                     ),
                 ))
             }
+            None if !self.mount_group.is_empty() => *spec
+                .attachment_modes
+                .iter()
+                .find(|a| **a == AttachmentMode::FileSystem)
+                .ok_or_else(|| {
+                    invalid(
+                        what.clone(),
+                        "a mount group applies to file-system volumes only; the volume is a block device",
+                    )
+                })?,
             None => spec.attachment_modes[0],
         };
         Ok(Usage {
@@ -374,6 +442,15 @@ pub fn validate_requests(alloc_id: &str, reqs: &[VolumeRequest]) -> Result<(), S
                 "mount_flags exceed the 4 KiB CSI allows",
             ));
         }
+        if r.mount_group.len() > 128 || r.mount_group.chars().any(char::is_control) {
+            return Err(invalid(
+                format!("allocation {alloc_id}"),
+                format!(
+                    "mount group of alias {} is longer than 128 bytes or has a control character",
+                    r.alias
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -394,6 +471,8 @@ mod tests {
             mount_options: MountOptions::default(),
             context: BTreeMap::new(),
             secrets: BTreeMap::from([("password".to_string(), "hunter2".to_string())]),
+            accessible_topology: Vec::new(),
+            capacity_bytes: 0,
         }
     }
 
@@ -405,6 +484,7 @@ mod tests {
             access_mode: mode,
             attachment: None,
             mount_flags: vec![],
+            mount_group: String::new(),
         }
     }
 
@@ -452,6 +532,47 @@ mod tests {
             .resolve(&ro)
             .expect_err("unsupported");
         assert!(e.to_string().contains("not one the volume supports"), "{e}");
+    }
+
+    fn segments(pairs: &[(&str, &str)]) -> Topology {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn topology_matches_when_a_segment_set_is_a_subset_of_the_nodes() {
+        let mut s = spec(&[AccessMode::SingleNodeWriter]);
+        let node = segments(&[("region", "r1"), ("zone", "z1"), ("rack", "a")]);
+        assert!(s.accessible_from(&node), "no topology: every node");
+        s.accessible_topology = vec![segments(&[("zone", "z2")]), segments(&[("zone", "z1")])];
+        assert!(s.accessible_from(&node));
+        // A node with more keys than the volume asks for still matches
+        // (Nomad's strict equality would refuse it).
+        s.accessible_topology = vec![segments(&[("region", "r1"), ("zone", "z1")])];
+        assert!(s.accessible_from(&node));
+        s.accessible_topology = vec![segments(&[("region", "r1"), ("zone", "z2")])];
+        assert!(!s.accessible_from(&node));
+        assert!(!s.accessible_from(&Topology::new()));
+        assert_eq!(s.topology_text(), "{region=r1, zone=z2}");
+    }
+
+    #[test]
+    fn mount_group_needs_a_file_system() {
+        let mut s = spec(&[AccessMode::SingleNodeWriter]);
+        s.attachment_modes = vec![AttachmentMode::BlockDevice, AttachmentMode::FileSystem];
+        let mut r = req(false, None);
+        r.mount_group = "1000".into();
+        assert_eq!(
+            r.resolve(&s).expect("file system picked").attachment,
+            AttachmentMode::FileSystem
+        );
+        r.attachment = Some(AttachmentMode::BlockDevice);
+        assert!(r.resolve(&s).is_err());
+        s.attachment_modes = vec![AttachmentMode::BlockDevice];
+        r.attachment = None;
+        assert!(r.resolve(&s).is_err());
     }
 
     #[test]

@@ -72,6 +72,8 @@ pub fn spec(id: &str, modes: &[AccessMode]) -> VolumeSpec {
         mount_options: MountOptions::default(),
         context: BTreeMap::from([("origin".to_string(), format!("ctx-{id}"))]),
         secrets: BTreeMap::from([("token".to_string(), SECRET.to_string())]),
+        accessible_topology: Vec::new(),
+        capacity_bytes: 0,
     }
 }
 
@@ -86,6 +88,7 @@ pub fn request(alias: &str, volume: &str, read_only: bool) -> VolumeRequest {
         access_mode: None,
         attachment: None,
         mount_flags: Vec::new(),
+        mount_group: String::new(),
     }
 }
 

@@ -461,13 +461,15 @@ failpoints() {
 		fail "$CLAIMD_BIN has no failpoints: build it with \`cargo build --features failpoints\`"
 }
 
-# failpoint_kind NAME: which path reaches the point: mount, release or
-# restore. Decided by name, so a new point needs no list here; a point put
-# in the wrong path is caught by expect_agent_killed_at.
+# failpoint_kind NAME: which path reaches the point: mount, release,
+# restore, state, or cluster (etcd-*: cluster mode only, tests/cluster.rs).
+# Decided by name, so a new point needs no list here; a point put in the
+# wrong path is caught by expect_agent_killed_at.
 failpoint_kind() {
 	case $1 in
 	restore-*) echo restore ;;
 	state-*) echo state ;;
+	etcd-*) echo cluster ;;
 	release-* | *unpublish* | *unstage*) echo release ;;
 	*) echo mount ;;
 	esac

@@ -27,7 +27,7 @@ impl Bare {
 
     pub fn cap() -> csi::VolumeCapability {
         use claimd::volumes::{volume_capability, MountOptions};
-        volume_capability(&Self::usage(), &MountOptions::default(), &[])
+        volume_capability(&Self::usage(), &MountOptions::default(), &[], "")
     }
 
     pub fn layout(&self) -> claimd::volumes::Paths {

@@ -36,6 +36,21 @@ pub struct CallRecord {
     pub volume_context: Option<BTreeMap<String, String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret_keys: Option<Vec<String>>,
+    /// The CSI volume_mount_group, when one was sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mount_group: Option<String>,
+    /// CreateVolume's, ControllerExpandVolume's and NodeExpandVolume's
+    /// capacity_range.required_bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub required_bytes: Option<i64>,
+    /// CreateSnapshot's name, DeleteSnapshot's snapshot ID, CreateVolume's
+    /// source (`snapshot:<id>`, `volume:<id>`), ListSnapshots' filters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// CreateVolume's accessibility requirements (requisite, then
+    /// preferred) as `k=v,k=v` sets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology: Option<Vec<String>>,
     /// "OK", a canonical gRPC code name, or "EXIT".
     pub code: String,
     /// A `late` fault held the call past the caller's deadline before it
@@ -100,6 +115,19 @@ fn secret_keys(map: &HashMap<String, String>) -> Option<Vec<String>> {
     Some(keys)
 }
 
+fn mount_group(cap: &protobuf::MessageField<VolumeCapability>) -> Option<String> {
+    match cap.as_ref()?.access_type.as_ref()? {
+        volume_capability::Access_type::Mount(m) if !m.volume_mount_group.is_empty() => {
+            Some(m.volume_mount_group.clone())
+        }
+        _ => None,
+    }
+}
+
+fn required(range: &protobuf::MessageField<CapacityRange>) -> Option<i64> {
+    range.as_ref().map(|r| r.required_bytes)
+}
+
 fn access_mode(cap: &protobuf::MessageField<VolumeCapability>) -> Option<String> {
     let cap = cap.as_ref()?;
     Some(match cap.access_mode.as_ref() {
@@ -145,6 +173,7 @@ impl Describe for NodeStageVolumeRequest {
             publish_context: context(&self.publish_context),
             volume_context: context(&self.volume_context),
             secret_keys: secret_keys(&self.secrets),
+            mount_group: mount_group(&self.volume_capability),
             ..CallRecord::default()
         }
     }
@@ -173,6 +202,7 @@ impl Describe for NodePublishVolumeRequest {
             publish_context: context(&self.publish_context),
             volume_context: context(&self.volume_context),
             secret_keys: secret_keys(&self.secrets),
+            mount_group: mount_group(&self.volume_capability),
             ..CallRecord::default()
         }
     }
@@ -229,10 +259,97 @@ impl Describe for ControllerUnpublishVolumeRequest {
 
 impl Describe for CreateVolumeRequest {
     fn describe(&self, method: &'static str) -> CallRecord {
+        use volume_content_source::Type;
+        let source = self
+            .volume_content_source
+            .as_ref()
+            .and_then(|s| s.type_.as_ref())
+            .map(|t| match t {
+                Type::Snapshot(s) => format!("snapshot:{}", s.snapshot_id),
+                Type::Volume(v) => format!("volume:{}", v.volume_id),
+                _ => "unknown".to_string(),
+            });
+        let topology = self.accessibility_requirements.as_ref().map(|r| {
+            r.requisite
+                .iter()
+                .chain(&r.preferred)
+                .map(|t| {
+                    let mut pairs: Vec<String> =
+                        t.segments.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    pairs.sort();
+                    pairs.join(",")
+                })
+                .collect()
+        });
         CallRecord {
             method,
             // The volume ID this plugin will answer with is the name.
             volume_id: Some(self.name.clone()),
+            secret_keys: secret_keys(&self.secrets),
+            required_bytes: required(&self.capacity_range),
+            snapshot: source,
+            topology,
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for CreateSnapshotRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.source_volume_id.clone()),
+            snapshot: Some(self.name.clone()),
+            secret_keys: secret_keys(&self.secrets),
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for DeleteSnapshotRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            snapshot: Some(self.snapshot_id.clone()),
+            secret_keys: secret_keys(&self.secrets),
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for ListSnapshotsRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.source_volume_id.clone()).filter(|v| !v.is_empty()),
+            snapshot: Some(self.snapshot_id.clone()).filter(|v| !v.is_empty()),
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for ControllerExpandVolumeRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.volume_id.clone()),
+            required_bytes: required(&self.capacity_range),
+            access_mode: access_mode(&self.volume_capability),
+            secret_keys: secret_keys(&self.secrets),
+            ..CallRecord::default()
+        }
+    }
+}
+
+impl Describe for NodeExpandVolumeRequest {
+    fn describe(&self, method: &'static str) -> CallRecord {
+        CallRecord {
+            method,
+            volume_id: Some(self.volume_id.clone()),
+            target_path: Some(self.volume_path.clone()),
+            staging_target_path: Some(self.staging_target_path.clone()),
+            required_bytes: required(&self.capacity_range),
+            access_mode: access_mode(&self.volume_capability),
             secret_keys: secret_keys(&self.secrets),
             ..CallRecord::default()
         }

@@ -67,6 +67,29 @@ OPTIONS:
     --create-target-parent      NodePublish creates the target's parent directory
                                 itself (as some plugins do) instead of refusing
                                 (FAILED_PRECONDITION) when the CO did not
+    --topology KEY=VALUE[,KEY=VALUE]...
+                                this node's topology segments (NodeGetInfo) and
+                                VOLUME_ACCESSIBILITY_CONSTRAINTS: CreateVolume places
+                                a volume in its requisite segment sets (else the first
+                                preferred one, else this node's); without the flag
+                                NodeGetInfo answers {claimd.test/node: NODE_ID} and
+                                CreateVolume refuses accessibility_requirements
+    --snapshots                 advertise CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and
+                                CLONE_VOLUME: a snapshot is a copy of the volume
+                                directory in <root>/snapshots/<snapshot_id> (ID
+                                snap-<name>); a volume created from a snapshot or a
+                                volume starts with a copy of its content
+    --expansion                 advertise EXPAND_VOLUME (controller and node) and
+                                online VolumeExpansion: ControllerExpandVolume records
+                                the new capacity and asks for node expansion;
+                                NodeExpandVolume (on a path where the volume is
+                                mounted) makes it the capacity NodeGetVolumeStats
+                                reports
+    --mount-group               advertise VOLUME_MOUNT_GROUP: NodeStage and
+                                NodePublish with volume_mount_group GID give the
+                                volume directory that group (setgid, group rwx);
+                                without the flag a volume_mount_group is refused
+                                (INVALID_ARGUMENT)
     -h, --help                  print this help
 
 FAULT FILE (JSON):
@@ -104,10 +127,16 @@ pub struct Config {
     pub known_nodes: Option<PathBuf>,
     pub unknown_capability: bool,
     pub volume_stats: bool,
+    /// This node's topology segments (`--topology`); None: the default
+    /// `{claimd.test/node: NODE_ID}` without VOLUME_ACCESSIBILITY_CONSTRAINTS.
+    pub topology: Option<std::collections::BTreeMap<String, String>>,
+    pub snapshots: bool,
+    pub expansion: bool,
+    pub mount_group: bool,
 }
 
 pub enum Parsed {
-    Run(Config),
+    Run(Box<Config>),
     Help,
 }
 
@@ -145,6 +174,10 @@ impl Config {
             known_nodes: None,
             unknown_capability: false,
             volume_stats: false,
+            topology: None,
+            snapshots: false,
+            expansion: false,
+            mount_group: false,
         };
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
@@ -183,7 +216,27 @@ impl Config {
                             ))
                         })?;
                 }
+                "--topology" => {
+                    let v = value("KEY=VALUE[,KEY=VALUE]...")?;
+                    let mut segments = std::collections::BTreeMap::new();
+                    for pair in v.split(',') {
+                        match pair.split_once('=') {
+                            Some((k, x)) if !k.is_empty() => {
+                                segments.insert(k.to_string(), x.to_string());
+                            }
+                            _ => {
+                                return Err(usage_error(format!(
+                                    "--topology takes KEY=VALUE pairs, not {pair:?}"
+                                )))
+                            }
+                        }
+                    }
+                    config.topology = Some(segments);
+                }
                 "--no-stage"
+                | "--snapshots"
+                | "--expansion"
+                | "--mount-group"
                 | "--no-controller"
                 | "--require-contexts"
                 | "--create-target-parent"
@@ -198,6 +251,9 @@ impl Config {
                         "--unknown-capability" => config.unknown_capability = true,
                         "--create-target-parent" => config.create_target_parent = true,
                         "--volume-stats" => config.volume_stats = true,
+                        "--snapshots" => config.snapshots = true,
+                        "--expansion" => config.expansion = true,
+                        "--mount-group" => config.mount_group = true,
                         _ => config.require_contexts = true,
                     }
                 }
@@ -215,6 +271,6 @@ impl Config {
         if config.endpoint.as_os_str().is_empty() || config.root.as_os_str().is_empty() {
             return Err(usage_error("--endpoint and --root must not be empty"));
         }
-        Ok(Parsed::Run(config))
+        Ok(Parsed::Run(Box::new(config)))
     }
 }

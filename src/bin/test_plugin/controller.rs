@@ -22,13 +22,35 @@ struct Attachment {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct CreatedVolume {
-    capacity_bytes: i64,
-    volume_context: BTreeMap<String, String>,
+pub struct CreatedVolume {
+    pub capacity_bytes: i64,
+    pub volume_context: BTreeMap<String, String>,
     /// CreateVolume's parameters: a later CreateVolume of the same name
     /// with others is refused (ALREADY_EXISTS).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    parameters: BTreeMap<String, String>,
+    pub parameters: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<BTreeMap<String, String>>,
+    /// `snapshot:<id>` or `volume:<id>`: what it started with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+/// A volume's capacity: what the controller gave it, and what its file
+/// system was grown to on the node (what NodeGetVolumeStats reports).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub controller: i64,
+    pub node: i64,
+}
+
+/// A snapshot: a copy of the volume directory in `<root>/snapshots/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub name: String,
+    pub source_volume_id: String,
+    pub size_bytes: i64,
+    pub created_ms: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,7 +60,14 @@ pub struct ControllerState {
     attachments: BTreeMap<String, BTreeMap<String, Attachment>>,
     /// Volumes made by CreateVolume.
     #[serde(default)]
-    volumes: BTreeMap<String, CreatedVolume>,
+    pub volumes: BTreeMap<String, CreatedVolume>,
+    /// Capacities of volumes that have one (created with a size, or
+    /// expanded).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacities: BTreeMap<String, Capacity>,
+    /// snapshot ID → snapshot.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub snapshots: BTreeMap<String, SnapshotRecord>,
 }
 
 fn single_node(access_mode: &str) -> bool {
@@ -75,11 +104,11 @@ fn check_capabilities(caps: &[VolumeCapability]) -> Outcome<()> {
 
 impl Plugin {
     /// Runs `f` on the durable controller state.
-    fn read_state<R>(&self, f: impl FnOnce(&ControllerState) -> R) -> Outcome<R> {
+    pub fn read_state<R>(&self, f: impl FnOnce(&ControllerState) -> R) -> Outcome<R> {
         self.controller_state.read(f).map_err(Failure::internal)
     }
 
-    fn controller_supported(&self, method: &str) -> Outcome<()> {
+    pub fn controller_supported(&self, method: &str) -> Outcome<()> {
         if self.config.controller {
             Ok(())
         } else {
@@ -288,6 +317,19 @@ impl Plugin {
             .push(cap(EnumOrUnknown::new(Type::PUBLISH_UNPUBLISH_VOLUME)));
         r.capabilities
             .push(cap(EnumOrUnknown::new(Type::CREATE_DELETE_VOLUME)));
+        if self.config.snapshots {
+            for t in [
+                Type::CREATE_DELETE_SNAPSHOT,
+                Type::LIST_SNAPSHOTS,
+                Type::CLONE_VOLUME,
+            ] {
+                r.capabilities.push(cap(EnumOrUnknown::new(t)));
+            }
+        }
+        if self.config.expansion {
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::EXPAND_VOLUME)));
+        }
         if let Some(unknown) = self.unknown_capability() {
             r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
         }
@@ -312,6 +354,8 @@ impl Plugin {
             )));
         }
         let parameters = sorted(&req.parameters);
+        let topology = self.placement(req.accessibility_requirements.as_ref())?;
+        let source = self.content_source(req.volume_content_source.as_ref())?;
         let created = self
             .controller_state
             .update(|state| -> Outcome<CreatedVolume> {
@@ -320,29 +364,62 @@ impl Plugin {
                     // ALREADY_EXISTS for an incompatible one.
                     let fits = existing.capacity_bytes >= required
                         && (limit == 0 || existing.capacity_bytes <= limit);
-                    if !fits || existing.parameters != parameters {
+                    let source_name = source.as_ref().map(|s| s.name.clone());
+                    if !fits || existing.parameters != parameters || existing.source != source_name
+                    {
                         return Err(Failure::new(
                             RpcStatusCode::ALREADY_EXISTS,
                             format!(
-                                "volume {id} exists with capacity {} bytes and parameters {:?}, \
-                                 incompatible with required_bytes={required} \
-                                 limit_bytes={limit} parameters {parameters:?}",
-                                existing.capacity_bytes, existing.parameters
+                                "volume {id} exists with capacity {} bytes, parameters {:?} and \
+                                 source {:?}, incompatible with required_bytes={required} \
+                                 limit_bytes={limit} parameters {parameters:?} source {:?}",
+                                existing.capacity_bytes,
+                                existing.parameters,
+                                existing.source,
+                                source_name
                             ),
                         ));
                     }
                     self.create_volume_dir(id)?;
                     return Ok(existing.clone());
                 }
-                self.create_volume_dir(id)?;
+                // A volume from a source is at least as big as it.
+                let mut capacity = required;
+                if let Some(s) = &source {
+                    capacity = capacity.max(s.size_bytes);
+                    if limit > 0 && capacity > limit {
+                        return Err(Failure::new(
+                            RpcStatusCode::OUT_OF_RANGE,
+                            format!(
+                                "{} has {} bytes, more than limit_bytes={limit}",
+                                s.name, s.size_bytes
+                            ),
+                        ));
+                    }
+                }
+                let dir = self.create_volume_dir(id)?;
+                if let Some(s) = &source {
+                    crate::volume_ops::copy_dir(&s.dir, &dir)?;
+                }
                 let created = CreatedVolume {
-                    capacity_bytes: required,
+                    capacity_bytes: capacity,
                     volume_context: BTreeMap::from([(
                         "claimd.test/volume".to_string(),
                         id.to_string(),
                     )]),
                     parameters: parameters.clone(),
+                    accessible_topology: topology.clone(),
+                    source: source.as_ref().map(|s| s.name.clone()),
                 };
+                if capacity > 0 {
+                    state.capacities.insert(
+                        id.to_string(),
+                        Capacity {
+                            controller: capacity,
+                            node: capacity,
+                        },
+                    );
+                }
                 state.volumes.insert(id.to_string(), created.clone());
                 Ok(created)
             })?;
@@ -350,6 +427,18 @@ impl Plugin {
         volume.volume_id = id.to_string();
         volume.capacity_bytes = created.capacity_bytes;
         volume.volume_context = created.volume_context.into_iter().collect();
+        volume.accessible_topology = created
+            .accessible_topology
+            .iter()
+            .map(|t| {
+                let mut x = Topology::new();
+                x.segments = t.clone().into_iter().collect();
+                x
+            })
+            .collect();
+        if req.volume_content_source.is_some() {
+            volume.content_source = req.volume_content_source.clone();
+        }
         let mut r = CreateVolumeResponse::new();
         r.volume = protobuf::MessageField::some(volume);
         log::info!("created volume {id}");

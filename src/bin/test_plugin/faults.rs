@@ -32,6 +32,11 @@ pub const METHODS: &[&str] = &[
     "ControllerGetCapabilities",
     "CreateVolume",
     "DeleteVolume",
+    "CreateSnapshot",
+    "DeleteSnapshot",
+    "ListSnapshots",
+    "ControllerExpandVolume",
+    "NodeExpandVolume",
 ];
 
 /// The calls a `late` rule applies to: those with an effect.
@@ -44,6 +49,10 @@ pub const LATE_METHODS: &[&str] = &[
     "ControllerUnpublishVolume",
     "CreateVolume",
     "DeleteVolume",
+    "CreateSnapshot",
+    "DeleteSnapshot",
+    "ControllerExpandVolume",
+    "NodeExpandVolume",
 ];
 
 #[derive(Debug, Default, Serialize, Deserialize)]

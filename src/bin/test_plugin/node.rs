@@ -90,6 +90,11 @@ impl Plugin {
         Ok(false)
     }
 
+    /// Whether `path` is a mount point of the volume.
+    pub fn mounted_here(&self, path: &Path, id: &str) -> Outcome<bool> {
+        Ok(Self::is_mount_point(path)? && self.shows_volume(path, id)?)
+    }
+
     /// Whether `path` is a mount point (asked of the path itself, not of
     /// the whole mount table).
     fn is_mount_point(path: &Path) -> Outcome<bool> {
@@ -165,6 +170,7 @@ impl Plugin {
         self.check_volume(id)?;
         self.check_attached(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        self.apply_mount_group(id, &req.volume_capability)?;
         if !staging.is_dir() {
             return Err(Failure::precondition(format!(
                 "staging path {} is not a directory: the CO creates it",
@@ -248,6 +254,7 @@ impl Plugin {
         };
         self.check_volume(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        self.apply_mount_group(id, &req.volume_capability)?;
         if !self.config.stage {
             self.check_attached(id)?;
         }
@@ -402,13 +409,22 @@ impl Plugin {
             r.capabilities
                 .push(cap(EnumOrUnknown::new(Type::VOLUME_CONDITION)));
         }
+        if self.config.expansion {
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::EXPAND_VOLUME)));
+        }
+        if self.config.mount_group {
+            r.capabilities
+                .push(cap(EnumOrUnknown::new(Type::VOLUME_MOUNT_GROUP)));
+        }
         if let Some(unknown) = self.unknown_capability() {
             r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
         }
         Ok(r)
     }
 
-    /// statvfs of the volume path; `<root>/abnormal/<volume_id>` makes the
+    /// statvfs of the volume path (or, for a volume with a recorded
+    /// capacity, that capacity and the bytes of its files); `<root>/abnormal/<volume_id>` makes the
     /// volume abnormal with its content as the message.
     pub fn node_get_volume_stats(
         &self,
@@ -440,11 +456,11 @@ impl Plugin {
         };
         let frsize = st.f_frsize as u64;
         let mut r = NodeGetVolumeStatsResponse::new();
-        r.usage.push(usage(
-            volume_usage::Unit::BYTES,
-            st.f_blocks as u64 * frsize,
-            st.f_bavail as u64 * frsize,
-        ));
+        let (total, free) = match self.node_capacity(id)? {
+            Some((capacity, used)) => (capacity as u64, (capacity - used) as u64),
+            None => (st.f_blocks as u64 * frsize, st.f_bavail as u64 * frsize),
+        };
+        r.usage.push(usage(volume_usage::Unit::BYTES, total, free));
         r.usage.push(usage(
             volume_usage::Unit::INODES,
             st.f_files as u64,
@@ -469,9 +485,7 @@ impl Plugin {
         _call: &Call,
     ) -> Outcome<NodeGetInfoResponse> {
         let mut topology = Topology::new();
-        topology
-            .segments
-            .insert("claimd.test/node".to_string(), self.config.node_id.clone());
+        topology.segments = self.node_topology().into_iter().collect();
         let mut r = NodeGetInfoResponse::new();
         r.node_id = self.config.node_id.clone();
         r.max_volumes_per_node = self.config.max_volumes_per_node;

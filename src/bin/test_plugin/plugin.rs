@@ -147,6 +147,19 @@ impl Plugin {
             r.capabilities
                 .push(cap(EnumOrUnknown::new(Type::CONTROLLER_SERVICE)));
         }
+        if self.config.topology.is_some() {
+            r.capabilities.push(cap(EnumOrUnknown::new(
+                Type::VOLUME_ACCESSIBILITY_CONSTRAINTS,
+            )));
+        }
+        if self.config.expansion {
+            use plugin_capability::volume_expansion::Type as Expansion;
+            let mut e = plugin_capability::VolumeExpansion::new();
+            e.type_ = EnumOrUnknown::new(Expansion::ONLINE);
+            let mut c = PluginCapability::new();
+            c.type_ = Some(plugin_capability::Type::VolumeExpansion(e));
+            r.capabilities.push(c);
+        }
         if let Some(unknown) = self.unknown_capability() {
             r.capabilities.push(cap(EnumOrUnknown::from_i32(unknown)));
         }

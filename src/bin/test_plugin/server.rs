@@ -148,6 +148,12 @@ pub fn services(plugin: &Arc<Plugin>) -> Vec<grpcio::Service> {
         &METHOD_NODE_NODE_GET_VOLUME_STATS,
         Plugin::node_get_volume_stats,
     );
+    let node = add(
+        node,
+        p,
+        &METHOD_NODE_NODE_EXPAND_VOLUME,
+        Plugin::node_expand_volume,
+    );
 
     // Registered even with --no-controller: the handlers then answer
     // UNIMPLEMENTED, and the call log shows that an agent called anyway.
@@ -187,6 +193,30 @@ pub fn services(plugin: &Arc<Plugin>) -> Vec<grpcio::Service> {
         p,
         &METHOD_CONTROLLER_CONTROLLER_GET_CAPABILITIES,
         Plugin::controller_get_capabilities,
+    );
+    let controller = add(
+        controller,
+        p,
+        &METHOD_CONTROLLER_CREATE_SNAPSHOT,
+        Plugin::create_snapshot,
+    );
+    let controller = add(
+        controller,
+        p,
+        &METHOD_CONTROLLER_DELETE_SNAPSHOT,
+        Plugin::delete_snapshot,
+    );
+    let controller = add(
+        controller,
+        p,
+        &METHOD_CONTROLLER_LIST_SNAPSHOTS,
+        Plugin::list_snapshots,
+    );
+    let controller = add(
+        controller,
+        p,
+        &METHOD_CONTROLLER_CONTROLLER_EXPAND_VOLUME,
+        Plugin::controller_expand_volume,
     );
 
     vec![identity.build(), node.build(), controller.build()]

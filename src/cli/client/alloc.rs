@@ -29,6 +29,7 @@ pub fn parse_volume_arg(s: &str) -> Result<w::VolumeRequest, String> {
                 r.attachment_mode = m.to_string();
             }
             Some(("flag", f)) => r.mount_flags.push(f.to_string()),
+            Some(("group", g)) if !g.is_empty() => r.mount_group = g.to_string(),
             _ => return Err(format!("--volume {s:?}: unknown option {p:?}")),
         }
     }

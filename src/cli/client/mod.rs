@@ -21,6 +21,7 @@ mod alloc;
 mod claim;
 mod observe;
 mod plugin;
+mod snapshot;
 mod volume;
 
 pub use observe::{Single, SINGLES};
@@ -28,10 +29,14 @@ pub use observe::{Single, SINGLES};
 use alloc::*;
 use claim::*;
 use plugin::*;
-use volume::*;
+pub use snapshot::SNAPSHOT;
+pub use volume::VOLUME;
 
 /// Deadline of quick API calls (lists, status, register).
 pub const QUICK_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Deadline of volume operations through a controller plugin (create,
+/// delete, expand, snapshots): a wait for the plugin plus its calls.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(600);
 /// Default deadline of `alloc mount` (a held claim may take long).
 pub const DEFAULT_MOUNT_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How often `alloc mount` looks at what the mount is waiting on.
@@ -60,62 +65,6 @@ pub struct Verb {
     run: fn(&Call) -> Result<(), CliError>,
 }
 
-pub const VOLUME: Noun = Noun {
-    name: "volume",
-    about: "register, list and deregister volumes",
-    verbs: &[
-        Verb {
-            name: "register",
-            args: "FILE|-",
-            about: "register volumes from a JSON file (- for standard input)",
-            details: "\
-Reads volume definitions from FILE, or from standard input with `-`: one
-JSON object or an array of them. Every definition is checked before the
-agent is asked; then they are registered in order. Registering a volume ID
-again replaces its definition, unless an allocation holds a claim on it and
-the definition changed (exit 1).
-
-A volume definition (unknown fields are refused):
-    {\"id\": \"db\", \"plugin_id\": \"hostpath\", \"external_id\": \"vol-0a1b\",
-     \"access_modes\": [\"single-node-writer\"],
-     \"attachment_modes\": [\"file-system\"],
-     \"mount_options\": {\"fs_type\": \"ext4\", \"mount_flags\": [\"noatime\"]},
-     \"context\": {}, \"secrets\": {\"token\": \"...\"}}
-id, plugin_id, external_id, access_modes and attachment_modes are required;
-mount_options, context and secrets are optional. Secrets are kept only in
-the agent's state file and sent to the plugin; they are never printed.
-
-OUTPUT:
-    one line per volume registered; with --json
-    {\"registered\": [IDS]}
-",
-            run: volume_register,
-        },
-        Verb {
-            name: "list",
-            args: "",
-            about: "list the registered volumes",
-            details: "\
-Lists the registered volumes: ID, plugin, external ID, access modes and
-attachment modes. With --json also fs_type, mount_flags, context and the
-names of the secrets (never their values).
-",
-            run: volume_list,
-        },
-        Verb {
-            name: "deregister",
-            args: "ID",
-            about: "remove a volume no allocation uses",
-            details: "\
-Removes volume ID from the agent's registry. Refused (exit 1) while an
-allocation uses the volume. A volume that is not registered is not an
-error: it says so and exits 0 (--json: {\"volume_id\", \"found\"}).
-",
-            run: volume_deregister,
-        },
-    ],
-};
-
 pub const ALLOC: Noun = Noun {
     name: "alloc",
     about: "mount, release and show the volumes of allocations",
@@ -126,7 +75,10 @@ pub const ALLOC: Noun = Noun {
             about: "claim and mount volumes for an allocation",
             details: "\
 Claims, stages and publishes registered volumes for allocation ALLOC and
-prints where each one is mounted on the host. It waits until they are
+prints where each one is mounted on the host. Before any claim, a volume
+with an accessible topology must fit the node: one of its segment sets must
+be a subset of the node plugin's segments (NodeGetInfo); otherwise the
+mount fails at once, naming both. It waits until they are
 mounted, also for a plugin that is not ready yet or a claim held by another
 allocation; what it waits on is shown on standard error. Mounting the same
 allocation again with the same volumes answers with the same paths.
@@ -141,6 +93,10 @@ OPTIONS:
                     attachment=file-system|block-device
                                    [default: the volume's first mode]
                     flag=MOUNT_FLAG  an extra mount flag (repeatable)
+                    group=GID      the mount group (CSI volume_mount_group):
+                                   the plugin makes the volume usable by
+                                   that group; only file systems, only node
+                                   plugins with VOLUME_MOUNT_GROUP
                   Access modes: single-node-writer, single-node-reader-only,
                   multi-node-reader-only, multi-node-single-writer,
                   multi-node-multi-writer, single-node-single-writer,
@@ -267,7 +223,7 @@ OPTIONS:
 };
 
 /// Every client noun, in help order.
-pub const NOUNS: [&Noun; 4] = [&VOLUME, &ALLOC, &PLUGIN, &CLAIM];
+pub const NOUNS: [&Noun; 5] = [&VOLUME, &SNAPSHOT, &ALLOC, &PLUGIN, &CLAIM];
 
 /// The verbless client command called `name` (`metrics`, `health`).
 pub fn single(name: &str) -> Option<&'static Single> {
@@ -405,6 +361,7 @@ USAGE:
 }
 
 /// Where the agent is and how to print.
+#[derive(Clone)]
 struct Client {
     socket: PathBuf,
     json: bool,
@@ -587,8 +544,10 @@ mod tests {
 
     #[test]
     fn volume_arg_parsing() {
-        let r = parse_volume_arg("data=db,ro,access=multi-node-reader-only,flag=noatime")
-            .expect("valid");
+        let r =
+            parse_volume_arg("data=db,ro,access=multi-node-reader-only,flag=noatime,group=1000")
+                .expect("valid");
+        assert_eq!(r.mount_group, "1000");
         assert_eq!(r.alias, "data");
         assert_eq!(r.volume_id, "db");
         assert!(r.read_only);
@@ -639,15 +598,29 @@ mod tests {
     #[test]
     fn unknown_verbs_are_usage_errors_with_or_without_help() {
         for a in [
-            &["create"][..],
-            &["create", "--help"],
-            &["--help", "create"],
+            &["destroy"][..],
+            &["destroy", "--help"],
+            &["--help", "destroy"],
         ] {
             let e = VOLUME.run(&args(a)).expect_err("unknown verb");
             assert_eq!(e.exit(), super::super::exit::Exit::Usage, "{a:?}");
             let text = crate::error_chain(&e);
-            assert!(text.contains("\"create\""), "{text}");
-            assert!(text.contains("register, list, deregister"), "{text}");
+            assert!(text.contains("\"destroy\""), "{text}");
+            assert!(
+                text.contains("register, list, deregister, create, delete, expand, snapshot"),
+                "{text}"
+            );
+        }
+        for a in [
+            &["volume", "snapshot", "rename"][..],
+            &["volume", "snapshot"],
+        ] {
+            let e = VOLUME
+                .run(&args(&a[1..]))
+                .expect_err("unknown snapshot verb");
+            assert_eq!(e.exit(), super::super::exit::Exit::Usage, "{a:?}");
+            let text = crate::error_chain(&e);
+            assert!(text.contains("create, list, delete"), "{text}");
         }
         let e = ALLOC.run(&args(&[])).expect_err("no verb");
         assert!(crate::error_chain(&e).contains("mount, release, status"));

@@ -17,7 +17,8 @@ pub(super) fn plugin_list(c: &Call) -> Result<(), CliError> {
                        "reason": p.reason, "name": p.name, "vendor_version": p.vendor_version,
                        "node_id": p.node_id, "max_volumes_per_node": p.max_volumes_per_node,
                        "capabilities": p.capabilities, "source": p.source,
-                       "generation": p.generation})
+                       "generation": p.generation,
+                       "topology": p.topology.iter().collect::<std::collections::BTreeMap<_, _>>()})
             })
             .collect();
         println!("{}", json!({ "plugins": list }));
