@@ -1040,6 +1040,11 @@ fn restart_with_failpoint(n: &mut Node, point: &str) {
     }
     n.agent.spawn();
     n.agent.wait_listening();
+    // The plugin ready before the next mount: its claim then goes with its
+    // first transaction (the fast path the failpoints are placed around).
+    wait_until(SHOW_TIMEOUT, "the node plugin to be ready", || {
+        n.agent.cli(&["plugin", "list", "--json"]).ok().json()["plugins"][0]["health"] == "ready"
+    });
 }
 
 /// Runs `f`, which makes the agent reach the failpoint `point` it was
