@@ -5,7 +5,7 @@
 //! Run through `packaging/bench.sh` (release build, real mounts, as root).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use claimd::api::wire as w;
 use claimd::csi::CsiClient;
@@ -269,6 +269,43 @@ fn main() {
                 release_cost.row(),
             ));
         }
+        // Where the agent's overhead goes: a request that does nothing
+        // (GetStats: the API's unix socket, its request thread, the reply)
+        // and one durable state write (journal line plus fdatasync, from
+        // the agent's own histogram).
+        let n = 200;
+        let started = Instant::now();
+        for _ in 0..n {
+            stats(&c);
+        }
+        let request_ms = started.elapsed().as_secs_f64() * 1000.0 / n as f64;
+        let metrics = c
+            .raw()
+            .get_metrics(&w::GetMetricsRequest::new(), opt())
+            .expect("metrics")
+            .text;
+        let sample = |name: &str| {
+            metrics
+                .lines()
+                .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let writes = sample("claimd_state_write_duration_seconds_count");
+        let write_ms = if writes > 0.0 {
+            sample("claimd_state_write_duration_seconds_sum") * 1000.0 / writes
+        } else {
+            0.0
+        };
+        results.insert(
+            "overhead_breakdown_ms".into(),
+            json!({"empty_request": request_ms, "state_write": write_ms}),
+        );
+        table.push((
+            "breakdown: an empty API request / one durable state write (mean)".into(),
+            format!("{request_ms:.2} ms / {write_ms:.2} ms"),
+        ));
         let (rss, peak) = rss_and_peak(agent.pid());
         results.insert(
             "rss_kib_after_overhead".into(),
