@@ -94,7 +94,7 @@ pub struct Agent {
     pub observer: Observer,
     api: ApiServer,
     /// Cluster mode: this node's liveness in etcd.
-    liveness: Option<NodeLiveness>,
+    liveness: Option<Arc<NodeLiveness>>,
     /// The watchdog, the volume stats poller and the metrics listener.
     threads: Threads,
     notifier: Notifier,
@@ -181,7 +181,7 @@ impl Agent {
                     }),
                 )
                 .map_err(io_err("failed to start the cluster liveness thread"))?;
-                (etcd_claims, Some(liveness))
+                (etcd_claims, Some(Arc::new(liveness)))
             }
         };
         let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);
@@ -202,7 +202,8 @@ impl Agent {
             log::error!("restore: {e}");
         }
         // Requests are served only once the restore has run.
-        let observer = Observer::new(lifecycle.clone(), registry.clone());
+        let mut observer = Observer::new(lifecycle.clone(), registry.clone());
+        observer.cluster = liveness.clone();
         let fail = |e: AgentError, threads: Threads| {
             shutdown.trigger();
             let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;

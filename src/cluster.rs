@@ -40,6 +40,7 @@ pub struct Liveness {
 
 pub struct NodeLiveness {
     status: Arc<Mutex<Liveness>>,
+    ttl: Duration,
     threads: Mutex<Option<Threads>>,
 }
 
@@ -68,12 +69,29 @@ impl NodeLiveness {
         })?;
         Ok(NodeLiveness {
             status,
+            ttl,
             threads: Mutex::new(Some(threads)),
         })
     }
 
     pub fn status(&self) -> Liveness {
         self.status.lock().clone()
+    }
+
+    /// Why this node's liveness is not current (etcd unreachable, the lease
+    /// lost, renewals late), if it is not.
+    pub fn problem(&self) -> Option<String> {
+        let s = self.status.lock().clone();
+        match (s.renewed, s.last_error) {
+            (_, Some(e)) => Some(format!("this node's liveness lease is not held: {e}")),
+            (None, None) => Some("this node's liveness is not registered in etcd yet".to_string()),
+            (Some(at), None) if at.elapsed() > self.ttl => Some(format!(
+                "this node's liveness lease was last renewed {:?} ago (TTL {:?}): etcd unreachable?",
+                at.elapsed(),
+                self.ttl
+            )),
+            _ => None,
+        }
     }
 
     /// Joins the thread (after the stop was triggered) up to `deadline`.

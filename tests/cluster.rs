@@ -1171,3 +1171,54 @@ fn a_claim_taken_just_before_a_crash_is_freed_by_the_next_start() {
     assert_eq!(out.code, EXIT_OK, "{}", b.volume_status("w1"));
     assert_eq!(holders(&a.claims("v")), ["w1"]);
 }
+
+/// `claimd health` says when this node's liveness lease is not held (etcd
+/// unreachable) and is ready again once it is; the metrics count the etcd
+/// calls by method and show the lease.
+#[test]
+fn health_and_metrics_follow_the_link_to_etcd() {
+    let mut c = Cluster::start(&["a"], &|cfg| {
+        cfg.claim_retry_deadline = "60s".into();
+    });
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let n = &c.nodes[0];
+    n.mount_ok("a1", "data=v");
+    wait_until(SHOW_TIMEOUT, "the agent to be healthy", || {
+        n.agent.cli(&["health"]).code == EXIT_OK
+    });
+    let metrics = n.agent.cli(&["metrics"]).ok().stdout;
+    let txns = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("claimd_etcd_request_duration_seconds_count")
+                && l.contains("method=\"Txn\"")
+                && l.contains("result=\"ok\"")
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .expect("a Txn count");
+    assert!(txns >= 1.0, "{txns}");
+    assert!(metrics.contains("claimd_etcd_lease_held 1"), "{metrics}");
+
+    c.etcd.kill();
+    let n = &c.nodes[0];
+    wait_until(
+        Duration::from_secs(60),
+        "health to say the lease is gone",
+        || {
+            let out = n.agent.cli(&["health"]);
+            out.code == EXIT_FAILED && out.stdout.contains("cluster:")
+        },
+    );
+    assert!(n
+        .agent
+        .cli(&["metrics"])
+        .ok()
+        .stdout
+        .contains("claimd_etcd_lease_held 0"));
+    c.etcd.restart();
+    let n = &c.nodes[0];
+    wait_until(Duration::from_secs(60), "health to be ready again", || {
+        n.agent.cli(&["health"]).code == EXIT_OK
+    });
+}

@@ -178,9 +178,10 @@ impl Inner {
         retry_unavailable: bool,
         call: impl Fn(&Endpoint, CallOption) -> grpcio::Result<T>,
     ) -> Result<T, EtcdError> {
-        let deadline = Instant::now() + self.call_timeout;
+        let started = Instant::now();
+        let deadline = started + self.call_timeout;
         let stop = StopSignal::none();
-        self.with_endpoint(
+        let result = self.with_endpoint(
             method,
             deadline,
             retry_unavailable,
@@ -190,7 +191,12 @@ impl Inner {
                 call(ep, CallOption::default().timeout(left))
                     .map_err(|e| EtcdError::from_grpc(method, &ep.name, e))
             },
-        )
+        );
+        crate::metrics::ETCD_REQUESTS.observe(
+            &[method, if result.is_ok() { "ok" } else { "error" }],
+            started.elapsed().as_secs_f64(),
+        );
+        result
     }
 }
 

@@ -134,6 +134,10 @@ pub static CSI_OPERATIONS: HistogramVec = HistogramVec::new(CSI_OPERATION_BUCKET
 /// compaction), in seconds; no labels.
 pub static STATE_WRITE_SECONDS: HistogramVec = HistogramVec::new(STATE_WRITE_BUCKETS);
 
+/// etcd calls of cluster mode: `method` (`Range`, `Txn`, `LeaseGrant`, …)
+/// and `result` (`ok`, or `error`), in seconds.
+pub static ETCD_REQUESTS: HistogramVec = HistogramVec::new(STATE_WRITE_BUCKETS);
+
 /// Claims found held by another allocation and retried.
 pub static CLAIM_RETRIES: Counter = Counter::new();
 

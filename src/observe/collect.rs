@@ -34,6 +34,7 @@ pub fn render(o: &Observer) -> String {
     releases(&mut t, o);
     plugins(&mut t, o);
     state(&mut t, o);
+    etcd(&mut t, o);
     volume_stats(&mut t, o);
     process::write(&mut t);
     t.finish()
@@ -198,6 +199,27 @@ fn state(t: &mut Text, o: &Observer) {
         &[],
         metrics::STATE_WRITE_SECONDS.buckets,
         &metrics::STATE_WRITE_SECONDS.snapshot(),
+    );
+}
+
+/// Cluster mode: etcd calls, and whether this node's liveness lease is
+/// held (nothing on one node).
+fn etcd(t: &mut Text, o: &Observer) {
+    let Some(c) = &o.cluster else {
+        return;
+    };
+    t.histogram(
+        "claimd_etcd_request_duration_seconds",
+        "etcd calls of cluster mode by method and result (ok or error).",
+        &["method", "result"],
+        metrics::ETCD_REQUESTS.buckets,
+        &metrics::ETCD_REQUESTS.snapshot(),
+    );
+    t.single(
+        "claimd_etcd_lease_held",
+        Kind::Gauge,
+        "1 while this node's liveness lease in etcd is held and renewed within its TTL.",
+        if c.problem().is_none() { 1.0 } else { 0.0 },
     );
 }
 

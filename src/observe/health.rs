@@ -24,6 +24,9 @@ pub fn problems(o: &Observer) -> Vec<String> {
             ));
         }
     }
+    if let Some(p) = o.cluster.as_ref().and_then(|c| c.problem()) {
+        out.push(format!("cluster: {p}"));
+    }
     for (alloc, alias, st) in o.lifecycle.release_reports() {
         match st {
             ReleaseState::Retrying { error, attempts } if attempts >= RELEASE_DEGRADED_ATTEMPTS => {

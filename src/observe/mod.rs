@@ -27,6 +27,8 @@ pub struct Observer {
     pub lifecycle: Lifecycle,
     pub registry: Registry,
     pub stats: StatsCache,
+    /// Cluster mode: this node's liveness in etcd.
+    pub cluster: Option<std::sync::Arc<crate::cluster::NodeLiveness>>,
 }
 
 impl Observer {
@@ -35,6 +37,7 @@ impl Observer {
             lifecycle,
             registry,
             stats: StatsCache::default(),
+            cluster: None,
         }
     }
 
