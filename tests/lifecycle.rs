@@ -1878,6 +1878,59 @@ fn a_timed_out_publish_that_completes_late_leaves_no_mount() {
     assert_all_released_leaving(&h, &released_tree());
 }
 
+/// A mount that shared another allocation's staging and attachment, and
+/// fails after that allocation was released, undoes both: the rollback's
+/// way down counts users, not only the calls it sent itself.
+fn a_failed_mount_that_shared_the_staging_undoes_it_when_it_was_the_last_user() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
+    h.m().mount("b", &[request("data", "v", false)]).expect("b");
+    h.plugin.faults().set(json!([
+        {"method": NP, "action": "fail", "code": "UNAVAILABLE", "count": 12},
+        {"method": NP, "action": "fail", "code": "INVALID_ARGUMENT",
+         "message": "bad flags", "count": 1}
+    ]));
+    let m = h.m().clone();
+    let mounting = thread::spawn(move || m.mount("a", &[request("data", "v", false)]));
+    wait_until(WAIT, "a's NodePublish to be failing", || {
+        h.lifecycle_calls()
+            .iter()
+            .any(|c| c["method"] == NP && c["code"] == "UNAVAILABLE")
+    });
+    // b goes while a still counts as a user: b leaves staging and
+    // attachment to a.
+    h.m().release("b").expect("release b");
+    assert!(h.m().wait_released("b", WAIT));
+    let err = mounting
+        .join()
+        .expect("the mount thread")
+        .expect_err("a's NodePublish fails for good");
+    assert!(matches!(err, MountError::Csi { .. }), "{err:?}");
+    assert!(h.m().wait_released("a", WAIT), "the rollback ends");
+    let methods: Vec<String> = h
+        .lifecycle_calls()
+        .iter()
+        .map(|c| c["method"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(
+        methods.iter().filter(|m| *m == NS).count(),
+        1,
+        "{methods:?}"
+    );
+    assert_eq!(
+        methods.iter().filter(|m| *m == NUS).count(),
+        1,
+        "{methods:?}"
+    );
+    assert_eq!(
+        methods.iter().filter(|m| *m == CU).count(),
+        1,
+        "{methods:?}"
+    );
+    assert_eq!(methods.last().map(String::as_str), Some(CU), "{methods:?}");
+    assert_all_released(&h);
+}
+
 // ---- The remote-like store's own path --------------------------------------
 
 /// The claims of the local state file alone (no remote claims merged in).
@@ -1986,6 +2039,7 @@ macro_rules! both_stores {
 }
 
 both_stores!(
+    a_failed_mount_that_shared_the_staging_undoes_it_when_it_was_the_last_user,
     restore_converges_from_an_earlier_releases_controller_publishing,
     a_timed_out_publish_that_completes_late_leaves_no_mount,
     one_staging_path_per_volume_read_only_at_publish,

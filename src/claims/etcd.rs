@@ -96,10 +96,27 @@ impl EtcdClaims {
                 alloc_id,
                 external_node_id,
                 publish_context,
-            } => self.update(volume_id, alloc_id, |c| {
-                c.external_node_id = Some(external_node_id.clone());
-                c.publish_context = publish_context.clone();
-            }),
+            } => {
+                // The mount's result goes with a claim that must still be
+                // held: one freed meanwhile (by hand) fails the mount.
+                if self
+                    .client
+                    .get(self.key(volume_id, alloc_id))
+                    .map_err(unavailable)?
+                    .is_none()
+                {
+                    return Err(ClaimError::Impossible {
+                        volume_id: volume_id.clone(),
+                        reason: format!(
+                            "the claim of allocation {alloc_id} is no longer held in etcd (freed while it mounted)"
+                        ),
+                    });
+                }
+                self.update(volume_id, alloc_id, |c| {
+                    c.external_node_id = Some(external_node_id.clone());
+                    c.publish_context = publish_context.clone();
+                })
+            }
             // Informational (the claim stays held either way): made in the
             // background, so a release with etcd cut off starts its node
             // side at once instead of waiting out the call deadline.
@@ -157,14 +174,36 @@ impl EtcdClaims {
         for _ in 0..CONFLICT_ATTEMPTS {
             let r = self.client.range_prefix(&prefix).map_err(unavailable)?;
             let mut others = Vec::new();
+            let mut changed = false;
             for kv in &r.kvs {
-                let c = parse(kv)?.claim;
+                let stored = parse(kv)?;
+                let c = stored.claim.clone();
                 if c.alloc_id != req.alloc_id {
                     others.push(c);
                     continue;
                 }
                 if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
-                    return Ok(());
+                    // This allocation holds it already (a mount asked
+                    // again, maybe after a crash): confirm it with a fresh
+                    // time and revision, so a reconciliation that read it
+                    // before cannot free it under this mount.
+                    let fresh = StoredClaim {
+                        taken_at_ms: now_ms(),
+                        ..stored
+                    };
+                    let value = serde_json::to_vec(&fresh).expect("a claim always encodes");
+                    let same =
+                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
+                    let t = self
+                        .client
+                        .txn(&[same], &[TxnOp::put(kv.key.clone(), value)], &[])
+                        .map_err(unavailable)?;
+                    if t.succeeded {
+                        return Ok(());
+                    }
+                    // Changed meanwhile (freed by hand, say): read again.
+                    changed = true;
+                    break;
                 }
                 return Err(ClaimError::Impossible {
                     volume_id: req.volume_id.clone(),
@@ -176,6 +215,9 @@ impl EtcdClaims {
                         c.node
                     ),
                 });
+            }
+            if changed {
+                continue;
             }
             check_claim(req, &others.iter().collect::<Vec<_>>())?;
             let stored = StoredClaim {
@@ -313,12 +355,33 @@ impl ClaimStore for EtcdClaims {
             // etcd changed, the local record not yet.
             crate::failpoints::hit("etcd-after-round-trip");
         }
-        let record = txn.record;
-        self.state.update(|s| -> Result<(), StateError> {
+        let (record, wanted) = (txn.record, txn.wanted);
+        // Checked again in the write: what changed locally during the
+        // round trip (another mount recorded meanwhile) is seen here.
+        let written = self.state.update(|s| -> Result<bool, StateError> {
+            if !wanted(s) {
+                return Ok(false);
+            }
             record(s, &outcomes);
-            Ok(())
+            Ok(true)
         })?;
-        Ok(Applied::Done(outcomes))
+        if written {
+            return Ok(Applied::Done(outcomes));
+        }
+        // Not wanted any more: the claims this transaction took are given
+        // back (best effort: reconciliation frees any left behind).
+        for (change, outcome) in txn.changes.iter().zip(&outcomes) {
+            if let (ClaimChange::Take(req), Ok(())) = (change, outcome) {
+                let free = ClaimChange::Free {
+                    volume_id: req.volume_id.clone(),
+                    alloc_id: req.alloc_id.clone(),
+                };
+                if let Err(e) = self.apply(&free) {
+                    log::warn!("cluster: a claim taken for a change no longer wanted stays: {e}");
+                }
+            }
+        }
+        Ok(Applied::NotWanted)
     }
 
     fn list(&self) -> Vec<Claim> {

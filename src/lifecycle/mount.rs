@@ -468,13 +468,16 @@ fn mount_volume_steps(
                 }
                 backoff.reset();
             }
-            Err(e) if !e.is_retryable() => return Err(MountError::from_step(alloc_id, alias, e)),
             Err(e) => {
                 if matches!(&e, StepError::Csi(c) if c.is_uncertain()) {
                     // The plugin may still carry the call out: a rollback
-                    // must make sure nothing of it is left (see release).
+                    // must make sure nothing of it is left (see release),
+                    // whether this error is retried or not.
                     core.progress
                         .mark_uncertain(alloc_id, alias, Instant::now());
+                }
+                if !e.is_retryable() {
+                    return Err(MountError::from_step(alloc_id, alias, e));
                 }
                 let msg = crate::error_chain(&e);
                 log::warn!("mount of {alloc_id}/{alias}: {msg} (retrying)");

@@ -141,6 +141,11 @@ pub fn step(
             // Attached to this node for another allocation already (in
             // this run, or by a record whose mount is there now)?
             let node_id = rec.external_node_id.clone().unwrap_or_default();
+            // This record uses the attachment from now on, made here or
+            // shared: a rollback's way down must count it (its detach step
+            // decides by the users left).
+            core.progress
+                .sending(alloc_id, alias, |s| s.controller_publish = true);
             let shared = core
                 .progress
                 .attachment(&rec.volume_id, &node_id)
@@ -159,8 +164,6 @@ pub fn step(
                         .as_ref()
                         .is_some_and(|caps| caps.publish_readonly);
                     let req = requests::controller_publish(sent.volume_ref(), &spec, readonly);
-                    core.progress
-                        .sending(alloc_id, alias, |s| s.controller_publish = true);
                     failpoints::hit("before-controller-publish");
                     let ctx = c.client.controller_publish_volume(&req)?;
                     failpoints::hit("after-controller-publish");
@@ -173,13 +176,14 @@ pub fn step(
         }
         Call::NodeStage => {
             let staging = rec.staging_path.clone().unwrap_or_default();
+            // As above: staged here or shared, this record uses it now.
+            core.progress
+                .sending(alloc_id, alias, |s| s.node_stage = true);
             let shared = core.progress.is_staged(&staging)
                 || core.store.read(|s| s.staging_established(&staging, me));
             if !shared {
                 create_dir(&staging)?;
                 let req = requests::node_stage(sent.volume_ref(), &spec);
-                core.progress
-                    .sending(alloc_id, alias, |s| s.node_stage = true);
                 failpoints::hit("before-node-stage");
                 node.client.node_stage_volume(&req)?;
                 failpoints::hit("after-node-stage");
