@@ -4,7 +4,8 @@
 //! retired escape hatches are gone.
 //!
 //! Modules are files (`src/a/b.rs` and `src/a/b/mod.rs` are `a::b`). An
-//! edge is a path in a `use` or in code (`crate::a::b::c`, `super::x`),
+//! edge is a path in a `use`, in code or in a comment (`crate::a::b::c`,
+//! `super::x`),
 //! resolved to the deepest module it names. Edges between a module and its
 //! own ancestors are left out: a directory's `mod.rs` re-exporting its
 //! children is a facade, not a dependency. Two graphs must be acyclic: the
@@ -55,20 +56,15 @@ fn library_modules() -> BTreeMap<Vec<String>, PathBuf> {
     m
 }
 
-/// The code of a file without its tests and comments.
+/// The text of a file without its tests. Comments are kept: a module that
+/// names another in its docs (`crate::x`) counts as depending on it, so the
+/// docs cannot describe a loop the code avoids.
 fn code(path: &Path) -> String {
     let text = fs::read_to_string(path).expect("read source");
-    let text = match text.find("#[cfg(test)]\nmod tests") {
-        Some(i) => &text[..i],
-        None => &text[..],
-    };
-    text.lines()
-        .map(|l| match l.find("//") {
-            Some(i) => &l[..i],
-            None => l,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
 }
 
 /// Expands `a::{b, c::{d, e}}` into `a::b`, `a::c::d`, `a::c::e`.

@@ -7,7 +7,7 @@
 //! the code that sees the event records it with one call and no handle to
 //! pass around. Everything that is a level (allocations by phase, plugin
 //! health, volume usage) is read at scrape time from its owner by
-//! `crate::observe`; nothing is kept twice.
+//! the observer module (`observe`); nothing is kept twice.
 //!
 //! Written by hand rather than with a crate: the text format is a few
 //! lines, and the `prometheus` crate would bring protobuf 2 (the agent uses

@@ -5,7 +5,7 @@
 //! (`lock`) and the "is anything of it still mounted" check (`mounted`).
 //!
 //! Usage counting (which records hold a staging path or an attachment) is a
-//! query over the records and lives with them, in `crate::state::usage`.
+//! query over the records and lives with them, in the state module (`usage.rs` there).
 
 pub mod create;
 pub mod lock;
