@@ -26,8 +26,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, SharedVolumes,
-    Transaction,
+    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, RemoteControllers,
+    SharedVolumes, Transaction,
 };
 use crate::etcd::{Compare, CompareOp, EtcdClient, EtcdError, KeyValue, TxnOp};
 use crate::state::{Claim, ClaimState, StateError, StateStore};
@@ -35,7 +35,12 @@ use crate::volumes::VolumeSpec;
 
 /// How often a change is tried again when another node changed the same
 /// volume's claims between the read and the write.
-const CONFLICT_ATTEMPTS: usize = 32;
+pub(super) const CONFLICT_ATTEMPTS: usize = 32;
+
+/// The key of a node's liveness record (on the node's lease).
+pub fn node_key(prefix: &str, node: &str) -> String {
+    format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
+}
 
 /// A claim as stored in etcd.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +66,21 @@ impl EtcdClaims {
             prefix: prefix.trim_end_matches('/').to_string(),
             state,
         }
+    }
+
+    /// Without a trailing slash.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn client(&self) -> &EtcdClient {
+        &self.client
+    }
+
+    /// Whether `node`'s liveness key exists.
+    pub fn node_is_alive(&self, node: &str) -> Result<bool, ClaimError> {
+        let key = node_key(&self.prefix, node);
+        Ok(self.client.get(key).map_err(unavailable)?.is_some())
     }
 
     fn all_prefix(&self) -> String {
@@ -425,8 +445,11 @@ impl ClaimStore for EtcdClaims {
     }
 
     fn node_alive(&self, node: &str) -> Result<Option<bool>, ClaimError> {
-        let key = crate::cluster::node_key(&self.prefix, node);
-        Ok(Some(self.client.get(key).map_err(unavailable)?.is_some()))
+        self.node_is_alive(node).map(Some)
+    }
+
+    fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
+        Some(self)
     }
 
     fn note_freed_by_hand(&self, claim: &Claim, reason: &str, by: &str) -> Result<(), ClaimError> {
@@ -446,14 +469,14 @@ impl ClaimStore for EtcdClaims {
     }
 }
 
-fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
+pub(super) fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
     serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
         key: kv.key_str().into_owned(),
         reason: e.to_string(),
     })
 }
 
-fn unavailable(e: EtcdError) -> ClaimError {
+pub fn unavailable(e: EtcdError) -> ClaimError {
     if e.is_retryable() {
         ClaimError::Unavailable {
             store: "etcd".to_string(),

@@ -18,11 +18,16 @@ use std::fmt;
 use crate::state::{StateError, StateFile};
 use crate::volumes::{AccessMode, VolumeSpec};
 
+pub mod attach;
 mod embedded;
 pub mod etcd;
 mod rules;
 
 pub use crate::state::{Claim, ClaimMode, ClaimState};
+pub use attach::{
+    AttachError, AttachRequest, ControllerHostRecord, NodeDetach, RemoteController,
+    RemoteControllers,
+};
 pub use embedded::EmbeddedClaims;
 pub use etcd::EtcdClaims;
 pub use rules::check_claim;
@@ -153,6 +158,10 @@ pub trait ClaimStore: Send + Sync {
     }
     /// The cluster's shared volume registrations, when the store has them.
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
+        None
+    }
+    /// Controller plugins on other nodes, when the store spans nodes.
+    fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
         None
     }
     /// Whether `node` is alive (its liveness lease is held); None when the

@@ -199,20 +199,31 @@ pub fn step(
                 .store
                 .read(|s| s.attachment_users_but(&rec.volume_id, me, &past));
             if rec.holds_attachment && others == 0 {
-                let c = core
-                    .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
-                    .map_err(StepError::Plugin)?;
-                let spec = core.spec(&rec.volume_id);
-                let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
                 core.progress.set_attachment(
                     &rec.volume_id,
                     rec.external_node_id.as_deref().unwrap_or_default(),
                     None,
                 );
-                failpoints::hit("before-controller-unpublish");
-                match c.client.controller_unpublish_volume(&req) {
-                    Err(e) if !e.is_ignorable() => return Err(e.into()),
-                    _ => {}
+                let remote = core.claims.remote_controllers().filter(|_| {
+                    core.registry.serves(&rec.plugin_id, PluginKind::Controller) == Some(false)
+                });
+                if let Some(remote) = remote {
+                    // Attached through a controller host on another node:
+                    // detached the same way.
+                    let req = super::up::attach_request(core, &rec);
+                    failpoints::hit("before-controller-unpublish");
+                    remote.detach(&req, core.opts.attach_timeout, &core.shutdown)?;
+                } else {
+                    let c = core
+                        .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
+                        .map_err(StepError::Plugin)?;
+                    let spec = core.spec(&rec.volume_id);
+                    let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
+                    failpoints::hit("before-controller-unpublish");
+                    match c.client.controller_unpublish_volume(&req) {
+                        Err(e) if !e.is_ignorable() => return Err(e.into()),
+                        _ => {}
+                    }
                 }
                 failpoints::hit("after-controller-unpublish");
             }
