@@ -20,8 +20,11 @@
 //! lifecycle); a value that is not a claim is `Corrupt` and is never
 //! overwritten.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +60,11 @@ pub struct EtcdClaims {
     /// Without a trailing slash, e.g. `/claimd`.
     prefix: String,
     state: Arc<StateStore>,
+    /// This node's claims as it last wrote them, with their mod revision:
+    /// a later change of one is a single `Txn` comparing that revision
+    /// (read first only when the compare fails: changed elsewhere, or not
+    /// known since a restart).
+    known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
 }
 
 impl EtcdClaims {
@@ -65,6 +73,7 @@ impl EtcdClaims {
             client,
             prefix: prefix.trim_end_matches('/').to_string(),
             state,
+            known: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -119,12 +128,11 @@ impl EtcdClaims {
             } => {
                 // The mount's result goes with a claim that must still be
                 // held: one freed meanwhile (by hand) fails the mount.
-                if self
-                    .client
-                    .get(self.key(volume_id, alloc_id))
-                    .map_err(unavailable)?
-                    .is_none()
-                {
+                let held = self.update(volume_id, alloc_id, |c| {
+                    c.external_node_id = Some(external_node_id.clone());
+                    c.publish_context = publish_context.clone();
+                })?;
+                if !held {
                     return Err(ClaimError::Impossible {
                         volume_id: volume_id.clone(),
                         reason: format!(
@@ -132,10 +140,7 @@ impl EtcdClaims {
                         ),
                     });
                 }
-                self.update(volume_id, alloc_id, |c| {
-                    c.external_node_id = Some(external_node_id.clone());
-                    c.publish_context = publish_context.clone();
-                })
+                Ok(())
             }
             // Informational (the claim stays held either way): made in the
             // background, so a release with etcd cut off starts its node
@@ -144,22 +149,29 @@ impl EtcdClaims {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id);
+                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing);
+                Ok(())
+            }
+            ClaimChange::MarkNodeDetached {
+                volume_id,
+                alloc_id,
+            } => {
+                self.mark_in_background(volume_id, alloc_id, ClaimState::NodeDetached);
                 Ok(())
             }
             ClaimChange::Free {
                 volume_id,
                 alloc_id,
             } => {
-                self.client
-                    .delete_range(self.key(volume_id, alloc_id), "")
-                    .map_err(unavailable)?;
+                let key = self.key(volume_id, alloc_id);
+                self.client.delete_range(&key, "").map_err(unavailable)?;
+                self.known.lock().remove(&key);
                 Ok(())
             }
         }
     }
 
-    fn mark_in_background(&self, volume_id: &str, alloc_id: &str) {
+    fn mark_in_background(&self, volume_id: &str, alloc_id: &str, state: ClaimState) {
         let (this, v, a) = (
             self.clone_handle(),
             volume_id.to_string(),
@@ -168,8 +180,8 @@ impl EtcdClaims {
         let spawned = std::thread::Builder::new()
             .name(format!("etcd-mark-{v}"))
             .spawn(move || {
-                if let Err(e) = this.update(&v, &a, |c| c.state = ClaimState::Releasing) {
-                    log::info!("cluster: claim of {v} by {a} not marked releasing: {e}");
+                if let Err(e) = this.update(&v, &a, |c| c.state = state) {
+                    log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
                 }
             });
         if let Err(e) = spawned {
@@ -186,6 +198,7 @@ impl EtcdClaims {
             client: self.client.clone(),
             prefix: self.prefix.clone(),
             state: self.state.clone(),
+            known: self.known.clone(),
         }
     }
 
@@ -219,6 +232,9 @@ impl EtcdClaims {
                         .txn(&[same], &[TxnOp::put(kv.key.clone(), value)], &[])
                         .map_err(unavailable)?;
                     if t.succeeded {
+                        self.known
+                            .lock()
+                            .insert(kv.key_str().into_owned(), (t.revision, fresh));
                         return Ok(());
                     }
                     // Changed meanwhile (freed by hand, say): read again.
@@ -254,19 +270,17 @@ impl EtcdClaims {
                 taken_at_ms: now_ms(),
             };
             let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            let key = self.key(&req.volume_id, &req.alloc_id);
             // Nothing of this volume's claims changed since the read.
             let unchanged =
                 Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
                     .with_prefix();
             let t = self
                 .client
-                .txn(
-                    &[unchanged],
-                    &[TxnOp::put(self.key(&req.volume_id, &req.alloc_id), value)],
-                    &[],
-                )
+                .txn(&[unchanged], &[TxnOp::put(key.clone(), value)], &[])
                 .map_err(unavailable)?;
             if t.succeeded {
+                self.known.lock().insert(key, (t.revision, stored));
                 return Ok(());
             }
         }
@@ -279,35 +293,60 @@ impl EtcdClaims {
         })
     }
 
-    /// Changes this allocation's claim, if it is held (a claim not held
-    /// has nothing to change).
+    /// Changes this allocation's claim, if it is held: false when it is
+    /// not (a claim not held has nothing to change). One `Txn` when the
+    /// claim is as this node last wrote it.
     fn update(
         &self,
         volume_id: &str,
         alloc_id: &str,
         f: impl Fn(&mut Claim),
-    ) -> Result<(), ClaimError> {
+    ) -> Result<bool, ClaimError> {
         let key = self.key(volume_id, alloc_id);
+        let known = self.known.lock().get(&key).cloned();
+        if let Some((revision, mut stored)) = known {
+            f(&mut stored.claim);
+            if self.put_if_unchanged(&key, revision, &stored)? {
+                return Ok(true);
+            }
+        }
         for _ in 0..CONFLICT_ATTEMPTS {
             let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
-                return Ok(());
+                self.known.lock().remove(&key);
+                return Ok(false);
             };
             let mut stored = parse(&kv)?;
             f(&mut stored.claim);
-            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
-            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
-            let t = self
-                .client
-                .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
-                .map_err(unavailable)?;
-            if t.succeeded {
-                return Ok(());
+            if self.put_if_unchanged(&key, kv.mod_revision, &stored)? {
+                return Ok(true);
             }
         }
         Err(ClaimError::Unavailable {
             store: "etcd".to_string(),
             reason: format!("claim {key} kept changing"),
         })
+    }
+
+    /// Writes the claim if its key is still at `revision`; remembers it.
+    fn put_if_unchanged(
+        &self,
+        key: &str,
+        revision: i64,
+        stored: &StoredClaim,
+    ) -> Result<bool, ClaimError> {
+        let value = serde_json::to_vec(stored).expect("a claim always encodes");
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
+        let t = self
+            .client
+            .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
+            .map_err(unavailable)?;
+        let mut known = self.known.lock();
+        if t.succeeded {
+            known.insert(key.to_string(), (t.revision, stored.clone()));
+        } else {
+            known.remove(key);
+        }
+        Ok(t.succeeded)
     }
 }
 

@@ -58,6 +58,9 @@ pub enum ClaimChange {
     },
     /// The allocation is releasing the volume (the claim is still held).
     MarkReleasing { volume_id: String, alloc_id: String },
+    /// The node side is released and the controller detach is retried
+    /// (the claim is still held).
+    MarkNodeDetached { volume_id: String, alloc_id: String },
     /// Free the claim; freeing a claim that is not held succeeds.
     Free { volume_id: String, alloc_id: String },
 }
@@ -68,6 +71,7 @@ impl ClaimChange {
             ClaimChange::Take(r) => &r.volume_id,
             ClaimChange::Attach { volume_id, .. }
             | ClaimChange::MarkReleasing { volume_id, .. }
+            | ClaimChange::MarkNodeDetached { volume_id, .. }
             | ClaimChange::Free { volume_id, .. } => volume_id,
         }
     }
@@ -77,6 +81,7 @@ impl ClaimChange {
             ClaimChange::Take(r) => &r.alloc_id,
             ClaimChange::Attach { alloc_id, .. }
             | ClaimChange::MarkReleasing { alloc_id, .. }
+            | ClaimChange::MarkNodeDetached { alloc_id, .. }
             | ClaimChange::Free { alloc_id, .. } => alloc_id,
         }
     }
@@ -87,6 +92,7 @@ impl ClaimChange {
             ClaimChange::Take(_) => "take",
             ClaimChange::Attach { .. } => "attach",
             ClaimChange::MarkReleasing { .. } => "mark-releasing",
+            ClaimChange::MarkNodeDetached { .. } => "mark-node-detached",
             ClaimChange::Free { .. } => "free",
         }
     }
