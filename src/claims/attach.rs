@@ -27,6 +27,15 @@ use crate::volumes::Usage;
 const RESULT_POLL_MIN: Duration = Duration::from_millis(20);
 const RESULT_POLL_MAX: Duration = Duration::from_millis(500);
 
+/// How long an answer to "does this plugin have a controller host" is
+/// used before etcd is asked again (two lookups per mount otherwise).
+const CONTROLLER_CACHE_TTL: Duration = Duration::from_secs(5);
+
+/// Answers of `controller_of`, per plugin, with when they were read.
+pub(super) type ControllerCache = std::sync::Arc<
+    parking_lot::Mutex<std::collections::HashMap<String, (Instant, Option<RemoteController>)>>,
+>;
+
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -426,6 +435,11 @@ impl RemoteControllers for EtcdClaims {
     }
 
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
+        if let Some((at, answer)) = self.controllers.lock().get(plugin_id) {
+            if at.elapsed() < CONTROLLER_CACHE_TTL {
+                return Ok(answer.clone());
+            }
+        }
         let r = self
             .client()
             .range_prefix(format!(
@@ -443,6 +457,9 @@ impl RemoteControllers for EtcdClaims {
                 });
             }
         }
+        self.controllers
+            .lock()
+            .insert(plugin_id.to_string(), (Instant::now(), found.clone()));
         Ok(found)
     }
 

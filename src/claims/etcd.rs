@@ -65,6 +65,8 @@ pub struct EtcdClaims {
     /// (read first only when the compare fails: changed elsewhere, or not
     /// known since a restart).
     known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
+    /// Which plugins have a controller host, as last read, and when.
+    pub(super) controllers: super::attach::ControllerCache,
 }
 
 impl EtcdClaims {
@@ -74,6 +76,7 @@ impl EtcdClaims {
             prefix: prefix.trim_end_matches('/').to_string(),
             state,
             known: Arc::new(Mutex::new(HashMap::new())),
+            controllers: Default::default(),
         }
     }
 
@@ -199,6 +202,7 @@ impl EtcdClaims {
             prefix: self.prefix.clone(),
             state: self.state.clone(),
             known: self.known.clone(),
+            controllers: self.controllers.clone(),
         }
     }
 
