@@ -3,6 +3,8 @@
 # the benchmark in release mode (the static build's target directory, so the
 # gRPC core is compiled once for both), runs them on this machine, prints a
 # table, and writes ${CARGO_TARGET_DIR:-target}/bench/results.json.
+# The cluster part starts its own throwaway etcd on free loopback ports
+# (Debian's etcd-server; ETCD=/path/to/etcd overrides the one on PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=x86_64-unknown-linux-gnu
@@ -15,5 +17,10 @@ dir="$target_dir/$target/release"
 # bench reports is the shipped one.
 mkdir -p "$target_dir/bench"
 strip -o "$target_dir/bench/claimd" "$dir/claimd"
-"$dir/claimd-bench" --agent "$target_dir/bench/claimd" --plugin "$dir/claimd-test-plugin" \
+etcd_args=()
+etcd_bin=${ETCD:-$(command -v etcd || true)}
+if [ -n "$etcd_bin" ]; then
+  etcd_args=(--etcd "$etcd_bin")
+fi
+"$dir/claimd-bench" ${etcd_args[@]+"${etcd_args[@]}"} --agent "$target_dir/bench/claimd" --plugin "$dir/claimd-test-plugin" \
   --out "$target_dir/bench/results.json" "$@"

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::api::ApiServer;
 use crate::claims::{ClaimStore, EmbeddedClaims, EtcdClaims};
-use crate::cluster::NodeLiveness;
+use crate::cluster::{ControllerHost, DisconnectRule, NodeLiveness, RuleParts};
 use crate::config::Config;
 use crate::lifecycle::{Lifecycle, LifecycleOptions, RestoreProgress};
 use crate::observe::Observer;
@@ -95,6 +95,8 @@ pub struct Agent {
     api: ApiServer,
     /// Cluster mode: this node's liveness in etcd.
     liveness: Option<Arc<NodeLiveness>>,
+    /// Cluster mode: controller work for other nodes, the disconnect rule.
+    cluster_work: Option<Arc<(ControllerHost, DisconnectRule)>>,
     /// The watchdog, the volume stats poller and the metrics listener.
     threads: Threads,
     notifier: Notifier,
@@ -142,7 +144,7 @@ impl Agent {
             shutdown.clone(),
         )
         .map_err(io_err("failed to start the plugin registry"))?;
-        let (claims, liveness): (Arc<dyn ClaimStore>, _) = match &config.cluster {
+        let (claims, cluster): (Arc<dyn ClaimStore>, _) = match &config.cluster {
             None => (Arc::new(EmbeddedClaims::new(store.clone())), None),
             Some(c) => {
                 let client = connect_etcd(c).map_err(AgentError::Cluster)?;
@@ -181,9 +183,13 @@ impl Agent {
                     }),
                 )
                 .map_err(io_err("failed to start the cluster liveness thread"))?;
-                (etcd_claims, Some(Arc::new(liveness)))
+                (
+                    etcd_claims.clone() as Arc<dyn ClaimStore>,
+                    Some((etcd_claims, Arc::new(liveness), c.clone())),
+                )
             }
         };
+        let liveness = cluster.as_ref().map(|(_, l, _)| l.clone());
         let mut opts = LifecycleOptions::new(&config.mount_root, &config.node_name);
         opts.plugin_wait = config.timeouts.plugin_wait;
         opts.claim_retry_deadline = config.timeouts.claim_retry_deadline;
@@ -191,6 +197,9 @@ impl Agent {
         opts.release_retry_deadline = config.timeouts.release_retry_deadline;
         opts.uncertain_settle = config.timeouts.csi_call;
         opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
+        if let Some(c) = &config.cluster {
+            opts.attach_timeout = c.attach_timeout;
+        }
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
         let report = lifecycle.restore_with(&|p: RestoreProgress| {
             notifier.status(&format!(
@@ -201,6 +210,33 @@ impl Agent {
         for e in &report.errors {
             log::error!("restore: {e}");
         }
+        // Cluster work for other nodes and the disconnect rule, once this
+        // node's own allocations are back.
+        let cluster_work = match &cluster {
+            None => None,
+            Some((etcd_claims, liveness, c)) => {
+                let host = ControllerHost::start(
+                    etcd_claims.clone(),
+                    registry.clone(),
+                    liveness.clone(),
+                    &config.node_name,
+                    shutdown.clone(),
+                )
+                .map_err(io_err("failed to start the controller host thread"))?;
+                let rule = DisconnectRule::start(RuleParts {
+                    claims: etcd_claims.clone(),
+                    lifecycle: lifecycle.clone(),
+                    liveness: liveness.clone(),
+                    node: config.node_name.clone(),
+                    window: c.stop_after_disconnect,
+                    lease_ttl: c.lease_ttl,
+                    attach_timeout: c.attach_timeout,
+                    shutdown: shutdown.clone(),
+                })
+                .map_err(io_err("failed to start the disconnect rule thread"))?;
+                Some(Arc::new((host, rule)))
+            }
+        };
         // Requests are served only once the restore has run.
         let mut observer = Observer::new(lifecycle.clone(), registry.clone());
         observer.cluster = liveness.clone();
@@ -212,6 +248,10 @@ impl Agent {
             threads.join_until(deadline);
             if let Some(l) = &liveness {
                 l.join(deadline);
+            }
+            if let Some(w) = &cluster_work {
+                w.0.join(deadline);
+                w.1.join(deadline);
             }
             Err(e)
         };
@@ -250,6 +290,7 @@ impl Agent {
             observer,
             api,
             liveness,
+            cluster_work,
             threads,
             notifier,
         })
@@ -294,6 +335,10 @@ impl Agent {
         left.extend(self.registry.join(deadline));
         if let Some(l) = &self.liveness {
             left.extend(l.join(deadline));
+        }
+        if let Some(w) = &self.cluster_work {
+            left.extend(w.0.join(deadline));
+            left.extend(w.1.join(deadline));
         }
         left.extend(self.threads.join_until(deadline));
         if !left.is_empty() {

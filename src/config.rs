@@ -100,6 +100,14 @@ pub struct ClusterConfig {
     pub call_timeout: Duration,
     /// TLS to etcd (the `tls` build only).
     pub tls: Option<ClusterTls>,
+    /// How long one attach or detach request through a controller host on
+    /// another node waits for its answer.
+    pub attach_timeout: Duration,
+    /// Off (None) by default. When this node cannot renew its lease for
+    /// this long it releases its allocations' node side itself; once its
+    /// lease has been gone this long the cluster detaches its volumes and
+    /// frees its claims.
+    pub stop_after_disconnect: Option<Duration>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +120,7 @@ pub struct ClusterTls {
 pub const DEFAULT_CLUSTER_PREFIX: &str = "/claimd";
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
 pub const DEFAULT_ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_ATTACH_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -180,6 +189,8 @@ struct RawCluster {
     lease_ttl: Option<String>,
     call_timeout: Option<String>,
     tls: Option<RawTls>,
+    attach_timeout: Option<String>,
+    stop_after_disconnect: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -383,7 +394,30 @@ impl Config {
                         })
                     }
                 };
+                let stop_after_disconnect = match c.stop_after_disconnect.as_deref() {
+                    None | Some("") => None,
+                    Some(_) => {
+                        let d = dur(
+                            "cluster.stop_after_disconnect",
+                            c.stop_after_disconnect,
+                            Duration::ZERO,
+                        )?;
+                        if d < Duration::from_secs(1) {
+                            return Err(field_err(
+                                "cluster.stop_after_disconnect",
+                                "must be at least 1s (leave it out to keep allocations however long the node is cut off)".into(),
+                            ));
+                        }
+                        Some(d)
+                    }
+                };
                 Some(ClusterConfig {
+                    attach_timeout: dur(
+                        "cluster.attach_timeout",
+                        c.attach_timeout,
+                        DEFAULT_ATTACH_TIMEOUT,
+                    )?,
+                    stop_after_disconnect,
                     endpoints: c.endpoints,
                     prefix,
                     lease_ttl,

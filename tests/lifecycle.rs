@@ -1744,6 +1744,55 @@ fn each_release_step_starts_its_own_backoff() {
     assert_all_released(&h);
 }
 
+/// A controller detach that keeps failing after the node side succeeded:
+/// the claim shows `node-detached` (still held) while the detach is
+/// retried, nothing is mounted any more, and the claim is freed once the
+/// detach succeeds.
+fn a_detach_being_retried_shows_the_claim_node_detached() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect("mount");
+    h.plugin.faults().set(json!([
+        {"method": CU, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
+    ]));
+    h.m().release("a1").expect("release");
+    let state = || {
+        h.m()
+            .list_claims()
+            .into_iter()
+            .find(|c| c.volume_id == "v" && c.alloc_id == "a1")
+            .map(|c| c.state)
+    };
+    wait_until(WAIT, "the claim marked node-detached", || {
+        state() == Some(ClaimState::NodeDetached)
+    });
+    assert!(
+        mounts_under(&h.mount_root).is_empty(),
+        "the node side is done while the detach is retried"
+    );
+    let calls: Vec<(String, String)> = h
+        .lifecycle_calls()
+        .into_iter()
+        .skip(3)
+        .take(3)
+        .map(|c| {
+            let (m, _, code) = summary(&c);
+            (m, code)
+        })
+        .collect();
+    let call = |m: &str, code: &str| (m.to_string(), code.to_string());
+    assert_eq!(
+        calls,
+        vec![call(NU, "OK"), call(NUS, "OK"), call(CU, "UNAVAILABLE")]
+    );
+    h.plugin.faults().set(json!([]));
+    assert!(h.m().wait_released("a1", WAIT));
+    assert_eq!(state(), None, "freed once detached");
+    assert_all_released(&h);
+}
+
 /// A node plugin's `max_volumes_per_node` reached on this node fails a
 /// mount of another volume at once, naming the limit; nothing is sent,
 /// claimed or recorded for it. A volume already in use still mounts.
@@ -2045,6 +2094,7 @@ both_stores!(
     one_staging_path_per_volume_read_only_at_publish,
     a_recorded_staging_path_of_the_old_layout_is_kept_and_shared,
     each_release_step_starts_its_own_backoff,
+    a_detach_being_retried_shows_the_claim_node_detached,
     the_node_plugins_volume_limit_fails_a_mount_at_once,
     mount_retries_wait_for_the_plugin_to_come_back,
     mount_then_release_sends_the_exact_calls_and_leaves_nothing,

@@ -380,6 +380,7 @@ pub fn claim_to_wire(c: &crate::state::Claim) -> w::ClaimInfo {
         state: match c.state {
             crate::state::ClaimState::Taken => "taken",
             crate::state::ClaimState::Releasing => "releasing",
+            crate::state::ClaimState::NodeDetached => "node-detached",
         }
         .to_string(),
         external_node_id: c.external_node_id.clone().unwrap_or_default(),

@@ -414,6 +414,36 @@ impl grpc::Claimd for Service {
         });
     }
 
+    fn detach_volume(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::DetachVolumeRequest,
+        sink: UnarySink<w::DetachVolumeResponse>,
+    ) {
+        self.run(&ctx, "detach-volume", sink, move |s| {
+            use crate::lifecycle::NodeDetachError as E;
+            let d = s
+                .lifecycle
+                .detach_from_node(&req.volume_id, &req.node, &req.reason)
+                .map_err(|e| {
+                    let code = match &e {
+                        E::NoReason | E::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
+                        E::NotCluster | E::ThisNode { .. } | E::NodeAlive { .. } => {
+                            RpcStatusCode::FAILED_PRECONDITION
+                        }
+                        E::Store(_) => RpcStatusCode::UNAVAILABLE,
+                        E::Attach(a) if a.is_retryable() => RpcStatusCode::UNAVAILABLE,
+                        E::Attach(_) => RpcStatusCode::FAILED_PRECONDITION,
+                    };
+                    status(code, crate::error_chain(&e))
+                })?;
+            let mut r = w::DetachVolumeResponse::new();
+            r.detached = d.detached;
+            r.freed_allocs = d.freed;
+            Ok(r)
+        });
+    }
+
     fn create_volume(
         &mut self,
         ctx: RpcContext<'_>,
@@ -541,6 +571,23 @@ impl grpc::Claimd for Service {
         self.run(&ctx, "list-plugins", sink, |s| {
             let mut r = w::ListPluginsResponse::new();
             r.plugins = s.registry.list().iter().map(plugin_to_wire).collect();
+            match s.lifecycle.controller_hosts() {
+                None => {}
+                Some(Ok(hosts)) => {
+                    r.controller_hosts = hosts
+                        .into_iter()
+                        .map(|(h, alive)| w::ControllerHost {
+                            plugin_id: h.plugin_id,
+                            node: h.node,
+                            alive,
+                            ready: h.ready,
+                            publish_unpublish_volume: h.publish_unpublish_volume,
+                            ..Default::default()
+                        })
+                        .collect();
+                }
+                Some(Err(e)) => r.cluster_error = crate::error_chain(&e),
+            }
             Ok(r)
         });
     }

@@ -67,6 +67,15 @@ fn apply(s: &mut StateFile, change: &ClaimChange) -> Result<(), ClaimError> {
             }
             Ok(())
         }
+        ClaimChange::MarkNodeDetached {
+            volume_id,
+            alloc_id,
+        } => {
+            if let Some(c) = s.claim_mut(volume_id, alloc_id) {
+                c.state = ClaimState::NodeDetached;
+            }
+            Ok(())
+        }
         ClaimChange::Free {
             volume_id,
             alloc_id,

@@ -20,14 +20,17 @@
 //! lifecycle); a value that is not a claim is `Corrupt` and is never
 //! overwritten.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
 
 use serde::{Deserialize, Serialize};
 
 use super::{
-    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, SharedVolumes,
-    Transaction,
+    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, RemoteControllers,
+    SharedVolumes, Transaction,
 };
 use crate::etcd::{Compare, CompareOp, EtcdClient, EtcdError, KeyValue, TxnOp};
 use crate::state::{Claim, ClaimState, StateError, StateStore};
@@ -35,7 +38,12 @@ use crate::volumes::VolumeSpec;
 
 /// How often a change is tried again when another node changed the same
 /// volume's claims between the read and the write.
-const CONFLICT_ATTEMPTS: usize = 32;
+pub(super) const CONFLICT_ATTEMPTS: usize = 32;
+
+/// The key of a node's liveness record (on the node's lease).
+pub fn node_key(prefix: &str, node: &str) -> String {
+    format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
+}
 
 /// A claim as stored in etcd.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +60,13 @@ pub struct EtcdClaims {
     /// Without a trailing slash, e.g. `/claimd`.
     prefix: String,
     state: Arc<StateStore>,
+    /// This node's claims as it last wrote them, with their mod revision:
+    /// a later change of one is a single `Txn` comparing that revision
+    /// (read first only when the compare fails: changed elsewhere, or not
+    /// known since a restart).
+    known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
+    /// Which plugins have a controller host, as last read, and when.
+    pub(super) controllers: super::attach::ControllerCache,
 }
 
 impl EtcdClaims {
@@ -60,7 +75,24 @@ impl EtcdClaims {
             client,
             prefix: prefix.trim_end_matches('/').to_string(),
             state,
+            known: Arc::new(Mutex::new(HashMap::new())),
+            controllers: Default::default(),
         }
+    }
+
+    /// Without a trailing slash.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn client(&self) -> &EtcdClient {
+        &self.client
+    }
+
+    /// Whether `node`'s liveness key exists.
+    pub fn node_is_alive(&self, node: &str) -> Result<bool, ClaimError> {
+        let key = node_key(&self.prefix, node);
+        Ok(self.client.get(key).map_err(unavailable)?.is_some())
     }
 
     fn all_prefix(&self) -> String {
@@ -99,12 +131,11 @@ impl EtcdClaims {
             } => {
                 // The mount's result goes with a claim that must still be
                 // held: one freed meanwhile (by hand) fails the mount.
-                if self
-                    .client
-                    .get(self.key(volume_id, alloc_id))
-                    .map_err(unavailable)?
-                    .is_none()
-                {
+                let held = self.update(volume_id, alloc_id, |c| {
+                    c.external_node_id = Some(external_node_id.clone());
+                    c.publish_context = publish_context.clone();
+                })?;
+                if !held {
                     return Err(ClaimError::Impossible {
                         volume_id: volume_id.clone(),
                         reason: format!(
@@ -112,10 +143,7 @@ impl EtcdClaims {
                         ),
                     });
                 }
-                self.update(volume_id, alloc_id, |c| {
-                    c.external_node_id = Some(external_node_id.clone());
-                    c.publish_context = publish_context.clone();
-                })
+                Ok(())
             }
             // Informational (the claim stays held either way): made in the
             // background, so a release with etcd cut off starts its node
@@ -124,22 +152,29 @@ impl EtcdClaims {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id);
+                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing);
+                Ok(())
+            }
+            ClaimChange::MarkNodeDetached {
+                volume_id,
+                alloc_id,
+            } => {
+                self.mark_in_background(volume_id, alloc_id, ClaimState::NodeDetached);
                 Ok(())
             }
             ClaimChange::Free {
                 volume_id,
                 alloc_id,
             } => {
-                self.client
-                    .delete_range(self.key(volume_id, alloc_id), "")
-                    .map_err(unavailable)?;
+                let key = self.key(volume_id, alloc_id);
+                self.client.delete_range(&key, "").map_err(unavailable)?;
+                self.known.lock().remove(&key);
                 Ok(())
             }
         }
     }
 
-    fn mark_in_background(&self, volume_id: &str, alloc_id: &str) {
+    fn mark_in_background(&self, volume_id: &str, alloc_id: &str, state: ClaimState) {
         let (this, v, a) = (
             self.clone_handle(),
             volume_id.to_string(),
@@ -148,8 +183,8 @@ impl EtcdClaims {
         let spawned = std::thread::Builder::new()
             .name(format!("etcd-mark-{v}"))
             .spawn(move || {
-                if let Err(e) = this.update(&v, &a, |c| c.state = ClaimState::Releasing) {
-                    log::info!("cluster: claim of {v} by {a} not marked releasing: {e}");
+                if let Err(e) = this.update(&v, &a, |c| c.state = state) {
+                    log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
                 }
             });
         if let Err(e) = spawned {
@@ -166,6 +201,8 @@ impl EtcdClaims {
             client: self.client.clone(),
             prefix: self.prefix.clone(),
             state: self.state.clone(),
+            known: self.known.clone(),
+            controllers: self.controllers.clone(),
         }
     }
 
@@ -199,6 +236,9 @@ impl EtcdClaims {
                         .txn(&[same], &[TxnOp::put(kv.key.clone(), value)], &[])
                         .map_err(unavailable)?;
                     if t.succeeded {
+                        self.known
+                            .lock()
+                            .insert(kv.key_str().into_owned(), (t.revision, fresh));
                         return Ok(());
                     }
                     // Changed meanwhile (freed by hand, say): read again.
@@ -234,19 +274,17 @@ impl EtcdClaims {
                 taken_at_ms: now_ms(),
             };
             let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            let key = self.key(&req.volume_id, &req.alloc_id);
             // Nothing of this volume's claims changed since the read.
             let unchanged =
                 Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
                     .with_prefix();
             let t = self
                 .client
-                .txn(
-                    &[unchanged],
-                    &[TxnOp::put(self.key(&req.volume_id, &req.alloc_id), value)],
-                    &[],
-                )
+                .txn(&[unchanged], &[TxnOp::put(key.clone(), value)], &[])
                 .map_err(unavailable)?;
             if t.succeeded {
+                self.known.lock().insert(key, (t.revision, stored));
                 return Ok(());
             }
         }
@@ -259,35 +297,60 @@ impl EtcdClaims {
         })
     }
 
-    /// Changes this allocation's claim, if it is held (a claim not held
-    /// has nothing to change).
+    /// Changes this allocation's claim, if it is held: false when it is
+    /// not (a claim not held has nothing to change). One `Txn` when the
+    /// claim is as this node last wrote it.
     fn update(
         &self,
         volume_id: &str,
         alloc_id: &str,
         f: impl Fn(&mut Claim),
-    ) -> Result<(), ClaimError> {
+    ) -> Result<bool, ClaimError> {
         let key = self.key(volume_id, alloc_id);
+        let known = self.known.lock().get(&key).cloned();
+        if let Some((revision, mut stored)) = known {
+            f(&mut stored.claim);
+            if self.put_if_unchanged(&key, revision, &stored)? {
+                return Ok(true);
+            }
+        }
         for _ in 0..CONFLICT_ATTEMPTS {
             let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
-                return Ok(());
+                self.known.lock().remove(&key);
+                return Ok(false);
             };
             let mut stored = parse(&kv)?;
             f(&mut stored.claim);
-            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
-            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
-            let t = self
-                .client
-                .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
-                .map_err(unavailable)?;
-            if t.succeeded {
-                return Ok(());
+            if self.put_if_unchanged(&key, kv.mod_revision, &stored)? {
+                return Ok(true);
             }
         }
         Err(ClaimError::Unavailable {
             store: "etcd".to_string(),
             reason: format!("claim {key} kept changing"),
         })
+    }
+
+    /// Writes the claim if its key is still at `revision`; remembers it.
+    fn put_if_unchanged(
+        &self,
+        key: &str,
+        revision: i64,
+        stored: &StoredClaim,
+    ) -> Result<bool, ClaimError> {
+        let value = serde_json::to_vec(stored).expect("a claim always encodes");
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
+        let t = self
+            .client
+            .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
+            .map_err(unavailable)?;
+        let mut known = self.known.lock();
+        if t.succeeded {
+            known.insert(key.to_string(), (t.revision, stored.clone()));
+        } else {
+            known.remove(key);
+        }
+        Ok(t.succeeded)
     }
 }
 
@@ -425,8 +488,11 @@ impl ClaimStore for EtcdClaims {
     }
 
     fn node_alive(&self, node: &str) -> Result<Option<bool>, ClaimError> {
-        let key = crate::cluster::node_key(&self.prefix, node);
-        Ok(Some(self.client.get(key).map_err(unavailable)?.is_some()))
+        self.node_is_alive(node).map(Some)
+    }
+
+    fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
+        Some(self)
     }
 
     fn note_freed_by_hand(&self, claim: &Claim, reason: &str, by: &str) -> Result<(), ClaimError> {
@@ -446,14 +512,14 @@ impl ClaimStore for EtcdClaims {
     }
 }
 
-fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
+pub(super) fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
     serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
         key: kv.key_str().into_owned(),
         reason: e.to_string(),
     })
 }
 
-fn unavailable(e: EtcdError) -> ClaimError {
+pub fn unavailable(e: EtcdError) -> ClaimError {
     if e.is_retryable() {
         ClaimError::Unavailable {
             store: "etcd".to_string(),

@@ -18,11 +18,16 @@ use std::fmt;
 use crate::state::{StateError, StateFile};
 use crate::volumes::{AccessMode, VolumeSpec};
 
+pub mod attach;
 mod embedded;
 pub mod etcd;
 mod rules;
 
 pub use crate::state::{Claim, ClaimMode, ClaimState};
+pub use attach::{
+    AttachError, AttachRequest, ControllerHostRecord, NodeDetach, RemoteController,
+    RemoteControllers,
+};
 pub use embedded::EmbeddedClaims;
 pub use etcd::EtcdClaims;
 pub use rules::check_claim;
@@ -53,6 +58,9 @@ pub enum ClaimChange {
     },
     /// The allocation is releasing the volume (the claim is still held).
     MarkReleasing { volume_id: String, alloc_id: String },
+    /// The node side is released and the controller detach is retried
+    /// (the claim is still held).
+    MarkNodeDetached { volume_id: String, alloc_id: String },
     /// Free the claim; freeing a claim that is not held succeeds.
     Free { volume_id: String, alloc_id: String },
 }
@@ -63,6 +71,7 @@ impl ClaimChange {
             ClaimChange::Take(r) => &r.volume_id,
             ClaimChange::Attach { volume_id, .. }
             | ClaimChange::MarkReleasing { volume_id, .. }
+            | ClaimChange::MarkNodeDetached { volume_id, .. }
             | ClaimChange::Free { volume_id, .. } => volume_id,
         }
     }
@@ -72,6 +81,7 @@ impl ClaimChange {
             ClaimChange::Take(r) => &r.alloc_id,
             ClaimChange::Attach { alloc_id, .. }
             | ClaimChange::MarkReleasing { alloc_id, .. }
+            | ClaimChange::MarkNodeDetached { alloc_id, .. }
             | ClaimChange::Free { alloc_id, .. } => alloc_id,
         }
     }
@@ -82,6 +92,7 @@ impl ClaimChange {
             ClaimChange::Take(_) => "take",
             ClaimChange::Attach { .. } => "attach",
             ClaimChange::MarkReleasing { .. } => "mark-releasing",
+            ClaimChange::MarkNodeDetached { .. } => "mark-node-detached",
             ClaimChange::Free { .. } => "free",
         }
     }
@@ -153,6 +164,10 @@ pub trait ClaimStore: Send + Sync {
     }
     /// The cluster's shared volume registrations, when the store has them.
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
+        None
+    }
+    /// Controller plugins on other nodes, when the store spans nodes.
+    fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
         None
     }
     /// Whether `node` is alive (its liveness lease is held); None when the

@@ -54,6 +54,9 @@ pub struct LifecycleOptions {
     /// before the volume is detached or its claim freed (the CSI call
     /// deadline: the plugin got the same one).
     pub uncertain_settle: Duration,
+    /// Cluster mode: how long one attach or detach request waits for a
+    /// controller host on another node.
+    pub attach_timeout: Duration,
 }
 
 impl LifecycleOptions {
@@ -71,6 +74,7 @@ impl LifecycleOptions {
                 + crate::config::DEFAULT_CSI_CALL_TIMEOUT,
             lock_wait: OPERATION_LOCK_WAIT,
             uncertain_settle: crate::config::DEFAULT_CSI_CALL_TIMEOUT,
+            attach_timeout: crate::config::DEFAULT_ATTACH_TIMEOUT,
         }
     }
 }

@@ -32,6 +32,8 @@ enum Call {
 #[derive(Debug)]
 pub struct Down {
     left: Vec<Call>,
+    /// The claim was marked node-detached (once, when the detach failed).
+    node_detached_marked: bool,
 }
 
 impl Default for Down {
@@ -59,6 +61,7 @@ impl Down {
 
     pub fn new() -> Down {
         Down {
+            node_detached_marked: false,
             left: vec![
                 Call::NodeUnpublish,
                 Call::NodeUnstage,
@@ -199,20 +202,26 @@ pub fn step(
                 .store
                 .read(|s| s.attachment_users_but(&rec.volume_id, me, &past));
             if rec.holds_attachment && others == 0 {
-                let c = core
-                    .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
-                    .map_err(StepError::Plugin)?;
-                let spec = core.spec(&rec.volume_id);
-                let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
                 core.progress.set_attachment(
                     &rec.volume_id,
                     rec.external_node_id.as_deref().unwrap_or_default(),
                     None,
                 );
-                failpoints::hit("before-controller-unpublish");
-                match c.client.controller_unpublish_volume(&req) {
-                    Err(e) if !e.is_ignorable() => return Err(e.into()),
-                    _ => {}
+                if let Err(e) = detach(core, &rec, deadline) {
+                    // Shown in `claim list` while the detach is retried.
+                    if !down.node_detached_marked {
+                        down.node_detached_marked = true;
+                        let mark = ClaimChange::MarkNodeDetached {
+                            volume_id: rec.volume_id.clone(),
+                            alloc_id: alloc_id.to_string(),
+                        };
+                        if let Err(m) = core.transact(vec![mark], &|_| true, &mut |_, _| {}) {
+                            log::info!(
+                                "release of {alloc_id}/{alias}: claim not marked node-detached: {m}"
+                            );
+                        }
+                    }
+                    return Err(e);
                 }
                 failpoints::hit("after-controller-unpublish");
             }
@@ -234,6 +243,32 @@ pub fn step(
     }
     down.done();
     Ok(Step::Next)
+}
+
+/// ControllerUnpublish of the record's attachment: through this node's
+/// controller plugin, or, when the plugin has no controller side here, a
+/// controller host on another node (the way it was attached).
+fn detach(core: &Core, rec: &AllocVolume, deadline: Instant) -> Result<(), StepError> {
+    let remote = core
+        .claims
+        .remote_controllers()
+        .filter(|_| core.registry.serves(&rec.plugin_id, PluginKind::Controller) == Some(false));
+    if let Some(remote) = remote {
+        let req = super::up::attach_request(core, rec);
+        failpoints::hit("before-controller-unpublish");
+        remote.detach(&req, core.opts.attach_timeout, &core.shutdown)?;
+        return Ok(());
+    }
+    let c = core
+        .plugin_for_release(&rec.plugin_id, PluginKind::Controller, deadline)
+        .map_err(StepError::Plugin)?;
+    let spec = core.spec(&rec.volume_id);
+    let req = requests::controller_unpublish(rec.volume_ref(), spec.as_deref());
+    failpoints::hit("before-controller-unpublish");
+    match c.client.controller_unpublish_volume(&req) {
+        Err(e) if !e.is_ignorable() => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// Before the detach and the freeing of the claim: when a call of this

@@ -5,7 +5,7 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
-use crate::claims::ClaimError;
+use crate::claims::{AttachError, ClaimError};
 use crate::csi::CsiError;
 use crate::plugins::WaitError;
 use crate::state::StateError;
@@ -21,6 +21,8 @@ pub enum StepError {
     State(StateError),
     /// The plugin the step needs is not ready.
     Plugin(WaitError),
+    /// An attachment through a controller host on another node.
+    Attach(AttachError),
     /// Another operation of the volume holds its lock.
     Lock(LockTimeout),
     StillMounted(StillMounted),
@@ -50,6 +52,7 @@ impl StepError {
         match self {
             StepError::Csi(e) => e.is_retryable(),
             StepError::Claim(e) => e.is_retryable(),
+            StepError::Attach(e) => e.is_retryable(),
             StepError::State(_)
             | StepError::Plugin(_)
             | StepError::Lock(_)
@@ -69,6 +72,7 @@ impl fmt::Display for StepError {
         match self {
             StepError::Csi(e) => e.fmt(f),
             StepError::Claim(e) => e.fmt(f),
+            StepError::Attach(e) => write!(f, "attachment through the cluster: {e}"),
             StepError::State(e) => e.fmt(f),
             StepError::Plugin(e) => e.fmt(f),
             StepError::Lock(e) => e.fmt(f),
@@ -91,6 +95,7 @@ impl std::error::Error for StepError {
         match self {
             StepError::Csi(e) => e.source(),
             StepError::Claim(e) => e.source(),
+            StepError::Attach(_) => None,
             StepError::State(e) => e.source(),
             StepError::Plugin(e) => e.source(),
             StepError::Lock(e) => e.source(),
@@ -119,6 +124,15 @@ impl From<CsiError> for StepError {
 impl From<ClaimError> for StepError {
     fn from(e: ClaimError) -> Self {
         StepError::Claim(e)
+    }
+}
+
+impl From<AttachError> for StepError {
+    fn from(e: AttachError) -> Self {
+        match e {
+            AttachError::Stopping => StepError::Stopping,
+            e => StepError::Attach(e),
+        }
     }
 }
 
@@ -395,6 +409,58 @@ impl std::error::Error for FreeClaimError {
         match self {
             FreeClaimError::Store(e) => Some(e),
             FreeClaimError::State(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Why `volume detach --node` refused or failed.
+#[derive(Debug)]
+pub enum NodeDetachError {
+    NoReason,
+    /// A volume ID or node name that is not a plain name.
+    Invalid(String),
+    /// One node: there is no other node to detach from.
+    NotCluster,
+    /// The node asked is this agent's own: release its allocations instead.
+    ThisNode {
+        node: String,
+    },
+    /// The node is alive and may still use the volume.
+    NodeAlive {
+        node: String,
+    },
+    Store(ClaimError),
+    Attach(AttachError),
+}
+
+impl fmt::Display for NodeDetachError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NodeDetachError::NoReason => f.write_str("a reason is required (--reason TEXT)"),
+            NodeDetachError::Invalid(why) => f.write_str(why),
+            NodeDetachError::NotCluster => f.write_str(
+                "volume detach --node needs cluster mode (a `cluster` section in the config)",
+            ),
+            NodeDetachError::ThisNode { node } => write!(
+                f,
+                "{node} is this agent's own node: release its allocations (claimd alloc release) instead"
+            ),
+            NodeDetachError::NodeAlive { node } => write!(
+                f,
+                "node {node} is alive and may still have the volume mounted: release the allocation there"
+            ),
+            NodeDetachError::Store(_) => f.write_str("the cluster cannot be asked now"),
+            NodeDetachError::Attach(_) => f.write_str("the volume could not be detached"),
+        }
+    }
+}
+
+impl std::error::Error for NodeDetachError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NodeDetachError::Store(e) => Some(e),
+            NodeDetachError::Attach(e) => Some(e),
             _ => None,
         }
     }

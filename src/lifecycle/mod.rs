@@ -36,7 +36,8 @@ use parking_lot::Mutex;
 use self::core::Core;
 pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF};
 pub use error::{
-    FreeClaimError, MountError, ReleaseError, StepError, VolumeOpError, VolumeRegistryError,
+    FreeClaimError, MountError, NodeDetachError, ReleaseError, StepError, VolumeOpError,
+    VolumeRegistryError,
 };
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
@@ -46,7 +47,7 @@ pub use snapshots::SnapshotView;
 pub use status::{AllocStatus, VolumeStatus};
 pub use volume_ops::Expansion;
 
-use crate::claims::{Claim, ClaimStore};
+use crate::claims::{Claim, ClaimStore, ControllerHostRecord, NodeDetach};
 use crate::plugins::Registry;
 use crate::shutdown::Shutdown;
 use crate::state::StateStore;
@@ -169,6 +170,64 @@ impl Lifecycle {
             log::warn!("the reason could not be kept in the claim store: {e}");
         }
         Ok(claim)
+    }
+
+    /// Cluster mode: every controller host of the cluster with whether its
+    /// node is alive; None on one node.
+    pub fn controller_hosts(
+        &self,
+    ) -> Option<Result<Vec<(ControllerHostRecord, bool)>, crate::claims::ClaimError>> {
+        self.core.claims.remote_controllers().map(|r| r.hosts())
+    }
+
+    /// Cluster mode (`claimd volume detach VOLUME --node NODE`): detaches
+    /// the volume from a node that is gone for good, through a controller
+    /// host, and frees that node's claims of it with the reason. Refused
+    /// while the node is alive, and for this agent's own node.
+    pub fn detach_from_node(
+        &self,
+        volume_id: &str,
+        node: &str,
+        reason: &str,
+    ) -> Result<NodeDetach, NodeDetachError> {
+        if reason.trim().is_empty() {
+            return Err(NodeDetachError::NoReason);
+        }
+        for (what, id) in [("volume", volume_id), ("node", node)] {
+            crate::ids::check_id(what, id).map_err(|e| NodeDetachError::Invalid(e.to_string()))?;
+        }
+        let remote = self
+            .core
+            .claims
+            .remote_controllers()
+            .ok_or(NodeDetachError::NotCluster)?;
+        let me = &self.core.opts.node_name;
+        if node == me {
+            return Err(NodeDetachError::ThisNode {
+                node: node.to_string(),
+            });
+        }
+        let alive = self
+            .core
+            .claims
+            .node_alive(node)
+            .map_err(NodeDetachError::Store)?;
+        if alive != Some(false) {
+            return Err(NodeDetachError::NodeAlive {
+                node: node.to_string(),
+            });
+        }
+        log::warn!("volume {volume_id}: detaching from node {node} by hand: {reason}");
+        remote
+            .release_node_volume(
+                volume_id,
+                node,
+                reason,
+                me,
+                self.core.opts.attach_timeout,
+                &self.core.shutdown,
+            )
+            .map_err(NodeDetachError::Attach)
     }
 
     /// Every claim of the claim store (and a line per stored value that is

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::core::{Core, Step};
 use super::error::{MountError, StepError};
 use super::placement::check_node_fits;
-use super::plan::{check_volume_limit, controller_for, ready_plans, Plan};
+use super::plan::{check_volume_limit, controller_for, ready_plans, ControllerRoute, Plan};
 use super::progress::NotNow;
 use super::release;
 use super::up::{self, Up};
@@ -510,8 +510,10 @@ fn mount_volume_steps(
                         })
                 };
                 node = ready(PluginKind::Node)?;
-                if controller.is_some() {
-                    controller = Some(ready(PluginKind::Controller)?);
+                if let Some(ControllerRoute::Local(_)) = controller {
+                    controller = Some(ControllerRoute::Local(Box::new(ready(
+                        PluginKind::Controller,
+                    )?)));
                 }
             }
         }

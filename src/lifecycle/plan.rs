@@ -4,10 +4,13 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::time::Instant;
 
 use super::core::Core;
 use super::error::MountError;
+use crate::claims::RemoteController;
 use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::retry::{Backoff, Interrupted};
 use crate::state::{AllocVolume, Phase, StateFile};
 use crate::volumes::Paths;
 
@@ -41,17 +44,28 @@ pub fn check_volume_limit(
     })
 }
 
-/// The ready controller side of a plugin, when the plugin has one with
-/// PUBLISH_UNPUBLISH_VOLUME.
+/// Who attaches a plugin's volumes to this node.
+#[derive(Clone)]
+pub enum ControllerRoute {
+    /// This node's own controller plugin.
+    Local(Box<PluginSnapshot>),
+    /// A controller host on another node, through the cluster (the node
+    /// side of the plugin here has no controller side).
+    Remote(RemoteController),
+}
+
+/// The controller that attaches the plugin's volumes, when the plugin has
+/// one with PUBLISH_UNPUBLISH_VOLUME: this node's own (waited for until
+/// ready), or in cluster mode one on another node.
 pub fn controller_for(
     core: &Core,
     alloc_id: &str,
     plugin_id: &str,
     alias: &str,
-) -> Result<Option<PluginSnapshot>, MountError> {
+) -> Result<Option<ControllerRoute>, MountError> {
     let reg = &core.registry;
     if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
-        return Ok(None);
+        return remote_controller(core, alloc_id, plugin_id, alias);
     }
     if reg.get_ready(plugin_id, PluginKind::Controller).is_none() {
         core.progress.set_message(
@@ -67,7 +81,55 @@ pub fn controller_for(
             source,
         })?;
     core.progress.set_message(alloc_id, alias, None);
-    Ok(publishes(&c).then_some(c))
+    Ok(publishes(&c).then_some(ControllerRoute::Local(Box::new(c))))
+}
+
+/// The cluster's controller of a plugin this node has no controller side
+/// of (None on one node, or when no node registered one), asked again
+/// while the claim store cannot answer, up to the claim retry deadline.
+fn remote_controller(
+    core: &Core,
+    alloc_id: &str,
+    plugin_id: &str,
+    alias: &str,
+) -> Result<Option<ControllerRoute>, MountError> {
+    let Some(remote) = core.claims.remote_controllers() else {
+        return Ok(None);
+    };
+    let deadline = Instant::now() + core.opts.claim_retry_deadline;
+    let mut backoff = Backoff::new(core.opts.claim_backoff, deadline);
+    loop {
+        let e = match remote.controller_of(plugin_id) {
+            Ok(c) => {
+                core.progress.set_message(alloc_id, alias, None);
+                return Ok(c.map(ControllerRoute::Remote));
+            }
+            Err(e) if e.is_retryable() => e,
+            Err(source) => {
+                return Err(MountError::Claim {
+                    alias: alias.to_string(),
+                    source,
+                })
+            }
+        };
+        core.progress.set_message(
+            alloc_id,
+            alias,
+            Some(format!(
+                "cannot learn whether plugin {plugin_id} has a controller host in the cluster: {e} (retrying)"
+            )),
+        );
+        match backoff.wait(&core.shutdown) {
+            Ok(()) => {}
+            Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
+            Err(Interrupted::Deadline) => {
+                return Err(MountError::Claim {
+                    alias: alias.to_string(),
+                    source: e,
+                })
+            }
+        }
+    }
 }
 
 fn publishes(controller: &PluginSnapshot) -> bool {
@@ -91,7 +153,12 @@ pub fn ready_plans<'a>(
             continue;
         };
         let controller = if reg.serves(p, PluginKind::Controller) == Some(false) {
-            false
+            match core.claims.remote_controllers().map(|r| r.controller_of(p)) {
+                None => false,
+                Some(Ok(c)) => c.is_some(),
+                // The claim store cannot tell now: the waiting path asks.
+                Some(Err(_)) => continue,
+            }
         } else {
             match reg.get_ready(p, PluginKind::Controller) {
                 Some(c) => publishes(&c),

@@ -10,6 +10,8 @@ use std::path::Path;
 
 use super::core::{attach_change, Core, Step, StepResult};
 use super::error::StepError;
+use super::plan::ControllerRoute;
+use crate::claims::AttachRequest;
 use crate::failpoints;
 use crate::plugins::PluginSnapshot;
 use crate::state::{AllocVolume, Phase};
@@ -95,7 +97,7 @@ pub fn step(
     alias: &str,
     up: &mut Up,
     node: &PluginSnapshot,
-    controller: Option<&PluginSnapshot>,
+    controller: Option<&ControllerRoute>,
 ) -> StepResult {
     let gone = |why: String| StepError::Gone { why };
     let rec = core
@@ -159,13 +161,27 @@ pub fn step(
                     let c = controller.ok_or_else(|| StepError::NoController {
                         plugin_id: rec.plugin_id.clone(),
                     })?;
-                    let readonly = c
-                        .controller_capabilities
-                        .as_ref()
-                        .is_some_and(|caps| caps.publish_readonly);
-                    let req = requests::controller_publish(sent.volume_ref(), &spec, readonly);
                     failpoints::hit("before-controller-publish");
-                    let ctx = c.client.controller_publish_volume(&req)?;
+                    let ctx = match c {
+                        ControllerRoute::Local(c) => {
+                            let readonly = c
+                                .controller_capabilities
+                                .as_ref()
+                                .is_some_and(|caps| caps.publish_readonly);
+                            let req =
+                                requests::controller_publish(sent.volume_ref(), &spec, readonly);
+                            c.client.controller_publish_volume(&req)?
+                        }
+                        ControllerRoute::Remote(r) => {
+                            let remote = core.claims.remote_controllers().ok_or_else(|| {
+                                StepError::NoController {
+                                    plugin_id: r.plugin_id.clone(),
+                                }
+                            })?;
+                            let req = attach_request(core, &rec);
+                            remote.attach(&req, core.opts.attach_timeout, &core.shutdown)?
+                        }
+                    };
                     failpoints::hit("after-controller-publish");
                     core.progress
                         .set_attachment(&rec.volume_id, &node_id, Some(ctx.clone()));
@@ -243,6 +259,20 @@ fn record_published(
     }
     failpoints::hit("mount-after-published");
     Ok(())
+}
+
+/// What a controller host on another node needs to attach (or detach)
+/// the record's volume to this node.
+pub fn attach_request(core: &Core, rec: &AllocVolume) -> AttachRequest {
+    AttachRequest {
+        volume_id: rec.volume_id.clone(),
+        node: core.opts.node_name.clone(),
+        plugin_id: rec.plugin_id.clone(),
+        external_volume_id: rec.external_volume_id.clone(),
+        external_node_id: rec.external_node_id.clone().unwrap_or_default(),
+        usage: rec.usage,
+        mount_flags: rec.mount_flags.clone(),
+    }
 }
 
 fn create_dir(path: &Path) -> Result<(), StepError> {

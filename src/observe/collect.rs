@@ -103,6 +103,7 @@ fn claims(t: &mut Text, o: &Observer) {
         let s = match c.state {
             ClaimState::Taken => "taken",
             ClaimState::Releasing => "releasing",
+            ClaimState::NodeDetached => "node-detached",
         };
         *by_state.entry(s).or_default() += 1;
     }

@@ -38,6 +38,9 @@ pub enum ClaimState {
     Taken,
     /// The allocation is releasing the volume; still held until freed.
     Releasing,
+    /// The node side is done (unpublished, unstaged) and the controller
+    /// detach is being retried; still held until freed.
+    NodeDetached,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

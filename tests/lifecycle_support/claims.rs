@@ -213,6 +213,11 @@ impl TestClaims {
                     h.state = ClaimState::Releasing;
                 }
             }
+            ClaimChange::MarkNodeDetached { .. } => {
+                if let Some(h) = m.get_mut(&key) {
+                    h.state = ClaimState::NodeDetached;
+                }
+            }
             ClaimChange::Free { .. } => {
                 m.remove(&key);
             }

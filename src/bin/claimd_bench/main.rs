@@ -1,6 +1,7 @@
 //! `claimd-bench`: measures the agent against bare CSI calls to the same
 //! test plugin in the same run, restart recovery, release fan-out, memory
-//! and state-file cost. Prints a table and writes JSON. Not shipped.
+//! and state-file cost, and cluster mode on a throwaway etcd against the
+//! embedded store. Prints a table and writes JSON. Not shipped.
 //!
 //! Run through `packaging/bench.sh` (release build, real mounts, as root).
 
@@ -27,10 +28,15 @@ struct Args {
     fanout: usize,
     fanout_delay_ms: u64,
     concurrency: usize,
+    /// The etcd binary of the cluster part.
+    etcd: PathBuf,
+    cluster_n: usize,
+    cluster_per_node: usize,
+    cluster_allocs: usize,
     only: Vec<String>,
 }
 
-const SECTIONS: &[&str] = &["overhead", "restart", "fanout"];
+const SECTIONS: &[&str] = &["overhead", "restart", "fanout", "cluster"];
 
 impl Args {
     fn runs(&self, section: &str) -> bool {
@@ -48,6 +54,10 @@ fn parse_args() -> Result<Args, String> {
         fanout: 100,
         fanout_delay_ms: 20,
         concurrency: 16,
+        etcd: PathBuf::from("/usr/bin/etcd"),
+        cluster_n: 100,
+        cluster_per_node: 100,
+        cluster_allocs: 16,
         only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -64,6 +74,20 @@ fn parse_args() -> Result<Args, String> {
             "--fanout" => a.fanout = val()?.parse().map_err(|e| format!("--fanout: {e}"))?,
             "--concurrency" => {
                 a.concurrency = val()?.parse().map_err(|e| format!("--concurrency: {e}"))?
+            }
+            "--etcd" => a.etcd = PathBuf::from(val()?),
+            "--cluster-n" => {
+                a.cluster_n = val()?.parse().map_err(|e| format!("--cluster-n: {e}"))?
+            }
+            "--cluster-per-node" => {
+                a.cluster_per_node = val()?
+                    .parse()
+                    .map_err(|e| format!("--cluster-per-node: {e}"))?
+            }
+            "--cluster-allocs" => {
+                a.cluster_allocs = val()?
+                    .parse()
+                    .map_err(|e| format!("--cluster-allocs: {e}"))?
             }
             "--fanout-delay-ms" => {
                 a.fanout_delay_ms = val()?
@@ -83,7 +107,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -97,14 +121,23 @@ fn parse_args() -> Result<Args, String> {
     if a.fanout < 2 {
         return Err("--fanout must be at least 2 (one hung volume and the others)".into());
     }
+    if a.cluster_n < 2 || a.cluster_per_node < 1 || a.cluster_allocs < 1 {
+        return Err(
+            "--cluster-n must be at least 2, --cluster-per-node and --cluster-allocs at least 1"
+                .into(),
+        );
+    }
     Ok(a)
 }
 
 mod bare;
+mod cluster;
+mod cluster_support;
 mod fanout;
 mod support;
 
 use bare::*;
+use cluster::*;
 use fanout::*;
 use support::*;
 
@@ -279,11 +312,7 @@ fn main() {
             stats(&c);
         }
         let request_ms = started.elapsed().as_secs_f64() * 1000.0 / n as f64;
-        let metrics = c
-            .raw()
-            .get_metrics(&w::GetMetricsRequest::new(), opt())
-            .expect("metrics")
-            .text;
+        let metrics = metrics_text(&c);
         let sample = |name: &str| {
             metrics
                 .lines()
@@ -478,6 +507,26 @@ fn main() {
                 &mut results,
                 &mut table,
             );
+        }
+    }
+
+    // ---- 6. cluster mode on etcd --------------------------------------------
+    if args.runs("cluster") {
+        if args.etcd.exists() {
+            cluster(&args, &env, &mut results, &mut table);
+        } else if args.only.is_empty() {
+            // The whole bench on a machine without etcd: the other parts
+            // still count.
+            table.push((
+                "cluster mode (etcd)".into(),
+                format!("skipped: no etcd at {}", args.etcd.display()),
+            ));
+        } else {
+            eprintln!(
+                "claimd-bench: --only cluster needs etcd ({} is missing; --etcd PATH)",
+                args.etcd.display()
+            );
+            std::process::exit(2);
         }
     }
 

@@ -71,18 +71,33 @@ pub struct Setup {
 }
 
 pub fn start_plugin(args: &Args, s: &mut Scratch) -> Setup {
-    let p = s.dir.join("plugin");
+    let dir = s.dir.clone();
+    start_plugin_in(args, s, &dir, &[], json!({}))
+}
+
+/// The test plugin under `<dir>/plugin`, started with `plugin_args` as
+/// well, and an agent configuration under `dir` with the top-level fields
+/// of `extra` (a node name, a `cluster` section) added.
+pub fn start_plugin_in(
+    args: &Args,
+    s: &mut Scratch,
+    dir: &Path,
+    plugin_args: &[&str],
+    extra: Value,
+) -> Setup {
+    let p = dir.join("plugin");
     std::fs::create_dir_all(&p).expect("plugin dir");
     let setup = Setup {
         plugin_socket: p.join("csi.sock"),
         plugin_root: p.join("root"),
         call_log: p.join("calls.jsonl"),
         faults: p.join("faults.json"),
-        config: s.dir.join("config.json"),
-        api_socket: s.dir.join("api.sock"),
-        mount_root: s.dir.join("mounts"),
+        config: dir.join("config.json"),
+        api_socket: dir.join("api.sock"),
+        mount_root: dir.join("mounts"),
     };
     let child = Command::new(&args.plugin)
+        .args(plugin_args)
         .arg("--endpoint")
         .arg(&setup.plugin_socket)
         .arg("--root")
@@ -98,12 +113,15 @@ pub fn start_plugin(args: &Args, s: &mut Scratch) -> Setup {
     wait_for("the plugin socket", Duration::from_secs(20), || {
         std::os::unix::net::UnixStream::connect(&setup.plugin_socket).is_ok()
     });
-    let cfg = json!({
-        "state_dir": s.dir.join("state"), "api_socket": setup.api_socket,
+    let mut cfg = json!({
+        "state_dir": dir.join("state"), "api_socket": setup.api_socket,
         "mount_root": setup.mount_root,
         "plugins": [{"id": "hp", "type": "monolith", "socket": setup.plugin_socket}],
         "csi_call_timeout": "5s", "probe_interval": "30s",
     });
+    if let (Some(cfg), Value::Object(extra)) = (cfg.as_object_mut(), extra) {
+        cfg.extend(extra);
+    }
     std::fs::write(&setup.config, cfg.to_string()).expect("write config");
     setup
 }
@@ -203,6 +221,14 @@ pub fn release(c: &ApiClient, alloc: &str, wait: Duration) -> w::ReleaseAllocRes
     c.raw()
         .release_alloc(&r, CallOption::default().timeout(wait + CALL))
         .expect("release")
+}
+
+/// The agent's metrics in Prometheus text (what `claimd metrics` prints).
+pub fn metrics_text(c: &ApiClient) -> String {
+    c.raw()
+        .get_metrics(&w::GetMetricsRequest::new(), opt())
+        .expect("metrics")
+        .text
 }
 
 pub fn stats(c: &ApiClient) -> w::GetStatsResponse {

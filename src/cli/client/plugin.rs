@@ -21,7 +21,19 @@ pub(super) fn plugin_list(c: &Call) -> Result<(), CliError> {
                        "topology": p.topology.iter().collect::<std::collections::BTreeMap<_, _>>()})
             })
             .collect();
-        println!("{}", json!({ "plugins": list }));
+        let hosts: Vec<Value> = r
+            .controller_hosts
+            .iter()
+            .map(|h| {
+                json!({"plugin_id": h.plugin_id, "node": h.node, "alive": h.alive,
+                       "ready": h.ready, "publish_unpublish_volume": h.publish_unpublish_volume})
+            })
+            .collect();
+        let mut out = json!({ "plugins": list, "controller_hosts": hosts });
+        if !r.cluster_error.is_empty() {
+            out["cluster_error"] = json!(r.cluster_error);
+        }
+        println!("{out}");
         return Ok(());
     }
     let mut rows = vec![vec![
@@ -43,5 +55,33 @@ pub(super) fn plugin_list(c: &Call) -> Result<(), CliError> {
         ]);
     }
     print_table(&rows);
+    if !r.controller_hosts.is_empty() {
+        println!();
+        println!("controller hosts (cluster):");
+        let mut rows = vec![vec![
+            "PLUGIN".to_string(),
+            "NODE".into(),
+            "ALIVE".into(),
+            "READY".into(),
+            "ATTACHES".into(),
+        ]];
+        for h in &r.controller_hosts {
+            let yes = |b: bool| if b { "yes" } else { "no" }.to_string();
+            rows.push(vec![
+                h.plugin_id.clone(),
+                h.node.clone(),
+                yes(h.alive),
+                yes(h.ready),
+                yes(h.publish_unpublish_volume),
+            ]);
+        }
+        print_table(&rows);
+    }
+    if !r.cluster_error.is_empty() {
+        eprintln!(
+            "warning: the cluster's controller hosts cannot be listed: {}",
+            r.cluster_error
+        );
+    }
     Ok(())
 }

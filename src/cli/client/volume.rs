@@ -1,4 +1,4 @@
-//! `claimd volume register|list|deregister`.
+//! `claimd volume register|list|deregister|create|delete|detach|expand`.
 
 use super::*;
 
@@ -112,6 +112,32 @@ OUTPUT:
     one line; with --json {\"volume_id\", \"deleted\": true}
 ",
             run: volume_delete,
+        },
+        Verb {
+            name: "detach",
+            args: "VOLUME --node NODE --reason TEXT",
+            about: "detach a volume from a dead node and free its claims (cluster mode)",
+            details: "\
+Cluster mode only. For a node that is gone for good: detaches VOLUME from
+NODE through a controller host of the volume's plugin
+(ControllerUnpublishVolume with the external node ID recorded when it was
+attached), then frees NODE's claims of the volume, keeping the reason in
+etcd (`<prefix>/freed/<volume>/<alloc>`), so allocations waiting elsewhere
+go on. Refused (exit 1), with nothing changed, while NODE's liveness lease
+is held (release the allocation there instead), for this agent's own node,
+and on one node. Waits for a controller host up to the cluster's
+attach_timeout; when none answered in time nothing is freed (exit 1: try
+again).
+
+OPTIONS:
+    --node NODE     the node to detach from (required)
+    --reason TEXT   why, kept with the freed claims (required)
+
+OUTPUT:
+    what was done; with --json
+    {\"volume_id\", \"node\", \"detached\": BOOL, \"freed\": [ALLOCS]}
+",
+            run: volume_detach,
         },
         Verb {
             name: "expand",
@@ -436,6 +462,62 @@ pub(super) fn volume_delete(c: &Call) -> Result<(), CliError> {
         println!("{}", json!({ "volume_id": id, "deleted": true }));
     } else {
         println!("volume {id} deleted");
+    }
+    Ok(())
+}
+
+pub(super) fn volume_detach(c: &Call) -> Result<(), CliError> {
+    let (mut id, mut node, mut reason) = (None, None, None);
+    let mut i = 0;
+    while i < c.args.len() {
+        let a = &c.args[i];
+        if let Some(v) = option_value(c, &["--node"], &mut i)? {
+            node = Some(v);
+        } else if let Some(v) = option_value(c, &["--reason"], &mut i)? {
+            reason = Some(v);
+        } else if a.starts_with('-') {
+            return Err(c.usage(format!("unknown option {a:?}")));
+        } else if id.is_none() {
+            id = Some(a.clone());
+        } else {
+            return Err(c.usage(format!("unexpected argument {a:?}")));
+        }
+        i += 1;
+    }
+    let Some(id) = id else {
+        return Err(c.usage("volume detach needs a volume ID"));
+    };
+    let Some(node) = node else {
+        return Err(c.usage("volume detach needs --node NODE"));
+    };
+    let Some(reason) = reason.filter(|r| !r.trim().is_empty()) else {
+        return Err(c.usage("volume detach needs --reason TEXT"));
+    };
+    let api = c.connect()?;
+    let mut req = w::DetachVolumeRequest::new();
+    req.volume_id = id.clone();
+    req.node = node.clone();
+    req.reason = reason;
+    let r = api.call("volume detach", DEFAULT_OPERATION_TIMEOUT, |a, o| {
+        a.detach_volume(&req, o)
+    })?;
+    if c.json() {
+        println!(
+            "{}",
+            json!({"volume_id": id, "node": node, "detached": r.detached,
+                   "freed": r.freed_allocs})
+        );
+    } else {
+        if r.detached {
+            println!("volume {id} detached from node {node}");
+        } else {
+            println!("volume {id} was not attached to node {node} (no controller detach needed)");
+        }
+        if r.freed_allocs.is_empty() {
+            println!("node {node} held no claim of volume {id}");
+        } else {
+            println!("freed the claims of {}", r.freed_allocs.join(", "));
+        }
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! Cluster mode's node liveness: `<prefix>/nodes/<node>` attached to a
+//! Node liveness: `<prefix>/nodes/<node>` attached to a
 //! lease this agent keeps alive from a named thread (`etcd-liveness`).
 //! Claims are never tied to the lease: a node cut off from the cluster
 //! keeps its claims and mounts; the lease only tells the others whether it
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::etcd::EtcdClient;
+use crate::etcd::{EtcdClient, LeaseId};
 use crate::retry::{Backoff, BackoffPolicy};
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
@@ -36,17 +36,14 @@ pub struct Liveness {
     pub renewed: Option<Instant>,
     /// The last failure, while the lease is not held.
     pub last_error: Option<String>,
+    /// The lease, while it is held (locks of controller work hang on it).
+    pub lease: Option<LeaseId>,
 }
 
 pub struct NodeLiveness {
     status: Arc<Mutex<Liveness>>,
     ttl: Duration,
     threads: Mutex<Option<Threads>>,
-}
-
-/// The key of a node's liveness record.
-pub fn node_key(prefix: &str, node: &str) -> String {
-    format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
 }
 
 impl NodeLiveness {
@@ -63,7 +60,11 @@ impl NodeLiveness {
     ) -> std::io::Result<NodeLiveness> {
         let status = Arc::new(Mutex::new(Liveness::default()));
         let mut threads = Threads::new();
-        let (key, node, st) = (node_key(prefix, node), node.to_string(), status.clone());
+        let (key, node, st) = (
+            crate::claims::etcd::node_key(prefix, node),
+            node.to_string(),
+            status.clone(),
+        );
         threads.spawn("etcd-liveness".to_string(), move || {
             run(&client, &key, &node, ttl, &shutdown, &st, &*on_registered)
         })?;
@@ -128,16 +129,19 @@ fn run(
     while !shutdown.is_triggered() {
         let held = client.lease_grant(ttl).and_then(|lease| {
             client.put_with_lease(key, &value, lease)?;
-            client.keep_alive(lease)
+            client.keep_alive(lease).map(|k| (lease, k))
         });
-        let keep_alive = match held {
+        let (lease, keep_alive) = match held {
             Ok(k) => k,
             Err(e) => {
                 log::warn!(
                     "cluster: cannot keep {key} alive: {} (retrying)",
                     crate::error_chain(&e)
                 );
-                status.lock().last_error = Some(crate::error_chain(&e));
+                let mut st = status.lock();
+                st.last_error = Some(crate::error_chain(&e));
+                st.lease = None;
+                drop(st);
                 if backoff.wait(shutdown).is_err() {
                     return;
                 }
@@ -149,6 +153,7 @@ fn run(
         *status.lock() = Liveness {
             renewed: Some(keep_alive.last_renewed()),
             last_error: None,
+            lease: Some(lease),
         };
         on_registered();
         // Renewal happens on the keep-alive's own thread; this one reports
@@ -163,7 +168,10 @@ fn run(
             status.lock().renewed = Some(keep_alive.last_renewed());
         }
         log::warn!("cluster: the lease of {key} was lost; registering again");
-        status.lock().last_error = Some("the lease was lost".to_string());
+        let mut st = status.lock();
+        st.last_error = Some("the lease was lost".to_string());
+        st.lease = None;
+        drop(st);
         keep_alive.stop();
     }
 }

@@ -1,0 +1,644 @@
+//! Controller attachments through etcd (cluster mode; the Kubernetes
+//! VolumeAttachment pattern). A node whose own plugin has no controller
+//! side writes `<prefix>/attachments/<volume>/<node>` and waits; an agent
+//! hosting the plugin's controller side (`cluster::controller_host`)
+//! performs ControllerPublish / ControllerUnpublish and writes the result
+//! back. Controller hosts announce themselves under
+//! `<prefix>/plugins/<plugin>/controllers/<node>` (durable: whether a
+//! plugin needs attaching must not depend on a host being alive right now).
+//!
+//! Every change is a `Txn` with revision compares; a request and its
+//! result survive restarts of every party.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::etcd::{unavailable, EtcdClaims};
+use super::ClaimError;
+use crate::etcd::{Compare, CompareOp, KeyValue, TxnOp};
+use crate::shutdown::Shutdown;
+use crate::volumes::Usage;
+
+/// The first and the longest pause between two reads of a request that
+/// waits for its result.
+const RESULT_POLL_MIN: Duration = Duration::from_millis(20);
+const RESULT_POLL_MAX: Duration = Duration::from_millis(500);
+
+/// How long an answer to "does this plugin have a controller host" is
+/// used before etcd is asked again (two lookups per mount otherwise).
+const CONTROLLER_CACHE_TTL: Duration = Duration::from_secs(5);
+
+/// Answers of `controller_of`, per plugin, with when they were read.
+pub(super) type ControllerCache = std::sync::Arc<
+    parking_lot::Mutex<std::collections::HashMap<String, (Instant, Option<RemoteController>)>>,
+>;
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Want {
+    Attached,
+    Detached,
+}
+
+/// Where a request stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttachState {
+    /// Waiting for a controller host.
+    Pending,
+    /// Attached (a detach that succeeded deletes the key instead).
+    Done,
+    /// The controller call failed (`error`); the requester asks again.
+    Failed,
+}
+
+/// `<prefix>/attachments/<volume>/<node>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachmentRecord {
+    pub volume_id: String,
+    pub node: String,
+    pub plugin_id: String,
+    /// The plugin's ID of the volume.
+    pub external_volume_id: String,
+    /// The requesting node plugin's node ID (NodeGetInfo).
+    pub external_node_id: String,
+    pub usage: Usage,
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+    pub want: Want,
+    pub state: AttachState,
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Whether asking again can help (the CSI code's classification).
+    #[serde(default)]
+    pub retryable: bool,
+    #[serde(default)]
+    pub handled_by: Option<String>,
+    pub requested_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// `<prefix>/plugins/<plugin>/controllers/<node>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerHostRecord {
+    pub plugin_id: String,
+    pub node: String,
+    pub publish_unpublish_volume: bool,
+    pub publish_readonly: bool,
+    pub ready: bool,
+    pub updated_at_ms: u64,
+}
+
+/// The cluster's controller of a plugin, as a requesting node sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteController {
+    pub plugin_id: String,
+    pub publish_readonly: bool,
+}
+
+/// A request for an attachment (or a detachment) of a volume to a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttachRequest {
+    pub volume_id: String,
+    pub node: String,
+    pub plugin_id: String,
+    pub external_volume_id: String,
+    pub external_node_id: String,
+    pub usage: Usage,
+    pub mount_flags: Vec<String>,
+}
+
+/// Why an attachment through the cluster did not happen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AttachError {
+    /// etcd could not be asked.
+    Store(ClaimError),
+    /// The controller host tried and the plugin refused or failed.
+    Failed {
+        host: String,
+        error: String,
+        retryable: bool,
+    },
+    /// No controller host answered in time.
+    NoAnswer { waited: Duration, hosts: String },
+    /// The agent is stopping.
+    Stopping,
+}
+
+impl AttachError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            AttachError::Store(e) => e.is_retryable(),
+            AttachError::Failed { retryable, .. } => *retryable,
+            AttachError::NoAnswer { .. } | AttachError::Stopping => true,
+        }
+    }
+}
+
+impl fmt::Display for AttachError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttachError::Store(e) => e.fmt(f),
+            AttachError::Failed { host, error, .. } => {
+                write!(f, "the controller plugin on node {host} failed: {error}")
+            }
+            AttachError::NoAnswer { waited, hosts } => write!(
+                f,
+                "no controller host answered within {waited:?} (hosts: {hosts})"
+            ),
+            AttachError::Stopping => f.write_str("the agent is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for AttachError {}
+
+/// Attachments made by a controller plugin on another node.
+pub trait RemoteControllers: Send + Sync {
+    /// The cluster's controller of `plugin_id` when one that attaches
+    /// (PUBLISH_UNPUBLISH_VOLUME) was registered; None when none was.
+    fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError>;
+    /// Asks for the attachment and waits up to `wait` for a host's answer:
+    /// the publish context.
+    fn attach(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<BTreeMap<String, String>, AttachError>;
+    /// Asks for the detachment (with the external node ID recorded at
+    /// attach time) and waits up to `wait` for it to be done.
+    fn detach(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<(), AttachError>;
+    /// Every registered controller host with whether its node is alive.
+    fn hosts(&self) -> Result<Vec<(ControllerHostRecord, bool)>, ClaimError>;
+    /// See `EtcdClaims::release_node_volume`.
+    fn release_node_volume(
+        &self,
+        volume_id: &str,
+        node: &str,
+        reason: &str,
+        by: &str,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<NodeDetach, AttachError>;
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn parse_attachment(kv: &KeyValue) -> Result<AttachmentRecord, ClaimError> {
+    serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })
+}
+
+pub fn parse_host(kv: &KeyValue) -> Result<ControllerHostRecord, ClaimError> {
+    serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })
+}
+
+impl EtcdClaims {
+    pub fn attachments_prefix(&self) -> String {
+        format!("{}/attachments/", self.prefix())
+    }
+
+    pub fn attachment_key(&self, volume_id: &str, node: &str) -> String {
+        format!("{}/attachments/{volume_id}/{node}", self.prefix())
+    }
+
+    pub fn attachment_lock_key(&self, volume_id: &str, node: &str) -> String {
+        format!("{}/attachment-locks/{volume_id}/{node}", self.prefix())
+    }
+
+    pub fn controller_host_key(&self, plugin_id: &str, node: &str) -> String {
+        format!("{}/plugins/{plugin_id}/controllers/{node}", self.prefix())
+    }
+
+    /// Every registered controller host, of every plugin.
+    pub fn controller_hosts(&self) -> Result<Vec<ControllerHostRecord>, ClaimError> {
+        let r = self
+            .client()
+            .range_prefix(format!("{}/plugins/", self.prefix()))
+            .map_err(unavailable)?;
+        Ok(r.kvs
+            .iter()
+            .filter(|kv| kv.key_str().contains("/controllers/"))
+            .filter_map(|kv| match parse_host(kv) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    log::warn!("cluster: {e}");
+                    None
+                }
+            })
+            .collect())
+    }
+
+    /// Writes this node's record as a controller host of a plugin.
+    pub fn put_controller_host(&self, rec: &ControllerHostRecord) -> Result<(), ClaimError> {
+        let value = serde_json::to_vec(rec).expect("a host record always encodes");
+        self.client()
+            .put(self.controller_host_key(&rec.plugin_id, &rec.node), value)
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    /// Puts the request (want, pending) unless it already stands as asked;
+    /// returns the record as it is after the write.
+    fn request(&self, req: &AttachRequest, want: Want) -> Result<AttachmentRecord, ClaimError> {
+        let key = self.attachment_key(&req.volume_id, &req.node);
+        for _ in 0..super::etcd::CONFLICT_ATTEMPTS {
+            let current = self.client().get(&key).map_err(unavailable)?;
+            let now = now_ms();
+            let (compare, rec) = match &current {
+                Some(kv) => {
+                    let old = parse_attachment(kv)?;
+                    let same_node_id = old.external_node_id == req.external_node_id;
+                    if old.want == want
+                        && (old.state == AttachState::Pending
+                            || (old.state == AttachState::Done && same_node_id))
+                    {
+                        return Ok(old);
+                    }
+                    let rec = AttachmentRecord {
+                        want,
+                        state: AttachState::Pending,
+                        error: old.error.clone(),
+                        retryable: old.retryable,
+                        updated_at_ms: now,
+                        ..fresh(req, want, now)
+                    };
+                    (
+                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
+                        rec,
+                    )
+                }
+                None => (Compare::absent(key.clone()), fresh(req, want, now)),
+            };
+            let value = serde_json::to_vec(&rec).expect("a request always encodes");
+            let t = self
+                .client()
+                .txn(&[compare], &[TxnOp::put(key.clone(), value)], &[])
+                .map_err(unavailable)?;
+            if t.succeeded {
+                return Ok(rec);
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("{key} kept changing"),
+        })
+    }
+
+    /// Reads the request until `done` says it is answered, up to `wait`.
+    fn wait_for<T>(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+        done: impl Fn(Option<&AttachmentRecord>) -> Option<Result<T, AttachError>>,
+    ) -> Result<T, AttachError> {
+        let key = self.attachment_key(&req.volume_id, &req.node);
+        let started = Instant::now();
+        let mut pause = RESULT_POLL_MIN;
+        loop {
+            let kv = self
+                .client()
+                .get(&key)
+                .map_err(|e| AttachError::Store(unavailable(e)))?;
+            let rec = kv
+                .as_ref()
+                .map(parse_attachment)
+                .transpose()
+                .map_err(AttachError::Store)?;
+            if let Some(answer) = done(rec.as_ref()) {
+                return answer;
+            }
+            if started.elapsed() >= wait {
+                return Err(AttachError::NoAnswer {
+                    waited: started.elapsed(),
+                    hosts: self.describe_hosts(&req.plugin_id),
+                });
+            }
+            if !shutdown.sleep(pause.min(wait.saturating_sub(started.elapsed()))) {
+                return Err(AttachError::Stopping);
+            }
+            pause = (pause * 2).min(RESULT_POLL_MAX);
+        }
+    }
+
+    /// "b (alive), c (not alive)" for an error message.
+    fn describe_hosts(&self, plugin_id: &str) -> String {
+        let hosts = match self.controller_hosts() {
+            Ok(h) => h,
+            Err(e) => return format!("unknown: {e}"),
+        };
+        let list: Vec<String> = hosts
+            .iter()
+            .filter(|h| h.plugin_id == plugin_id)
+            .map(|h| match self.node_is_alive(&h.node) {
+                Ok(true) => format!("{} (alive)", h.node),
+                Ok(false) => format!("{} (not alive)", h.node),
+                Err(_) => h.node.clone(),
+            })
+            .collect();
+        if list.is_empty() {
+            "none registered".to_string()
+        } else {
+            list.join(", ")
+        }
+    }
+}
+
+fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
+    AttachmentRecord {
+        volume_id: req.volume_id.clone(),
+        node: req.node.clone(),
+        plugin_id: req.plugin_id.clone(),
+        external_volume_id: req.external_volume_id.clone(),
+        external_node_id: req.external_node_id.clone(),
+        usage: req.usage,
+        mount_flags: req.mount_flags.clone(),
+        want,
+        state: AttachState::Pending,
+        publish_context: BTreeMap::new(),
+        error: None,
+        retryable: false,
+        handled_by: None,
+        requested_at_ms: now,
+        updated_at_ms: now,
+    }
+}
+
+fn failed(rec: &AttachmentRecord) -> AttachError {
+    AttachError::Failed {
+        host: rec.handled_by.clone().unwrap_or_default(),
+        error: rec.error.clone().unwrap_or_default(),
+        retryable: rec.retryable,
+    }
+}
+
+impl RemoteControllers for EtcdClaims {
+    fn hosts(&self) -> Result<Vec<(ControllerHostRecord, bool)>, ClaimError> {
+        let alive: std::collections::HashSet<String> = self
+            .client()
+            .range_prefix(format!("{}/nodes/", self.prefix()))
+            .map_err(unavailable)?
+            .kvs
+            .iter()
+            .map(|kv| {
+                kv.key_str()
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        Ok(self
+            .controller_hosts()?
+            .into_iter()
+            .map(|h| {
+                let a = alive.contains(&h.node);
+                (h, a)
+            })
+            .collect())
+    }
+
+    fn release_node_volume(
+        &self,
+        volume_id: &str,
+        node: &str,
+        reason: &str,
+        by: &str,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<NodeDetach, AttachError> {
+        EtcdClaims::release_node_volume(self, volume_id, node, reason, by, wait, shutdown)
+    }
+
+    fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
+        if let Some((at, answer)) = self.controllers.lock().get(plugin_id) {
+            if at.elapsed() < CONTROLLER_CACHE_TTL {
+                return Ok(answer.clone());
+            }
+        }
+        let r = self
+            .client()
+            .range_prefix(format!(
+                "{}/plugins/{plugin_id}/controllers/",
+                self.prefix()
+            ))
+            .map_err(unavailable)?;
+        let mut found = None;
+        for kv in &r.kvs {
+            let h = parse_host(kv)?;
+            if h.publish_unpublish_volume {
+                found = Some(RemoteController {
+                    plugin_id: plugin_id.to_string(),
+                    publish_readonly: h.publish_readonly,
+                });
+            }
+        }
+        self.controllers
+            .lock()
+            .insert(plugin_id.to_string(), (Instant::now(), found.clone()));
+        Ok(found)
+    }
+
+    fn attach(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<BTreeMap<String, String>, AttachError> {
+        let rec = self
+            .request(req, Want::Attached)
+            .map_err(AttachError::Store)?;
+        if rec.state == AttachState::Done {
+            return Ok(rec.publish_context);
+        }
+        self.wait_for(req, wait, shutdown, |rec| match rec {
+            Some(r) if r.want == Want::Attached && r.state == AttachState::Done => {
+                Some(Ok(r.publish_context.clone()))
+            }
+            Some(r) if r.want == Want::Attached && r.state == AttachState::Failed => {
+                Some(Err(failed(r)))
+            }
+            // Deleted or turned into a detach meanwhile: asked again by
+            // the caller's retry.
+            Some(r) if r.want == Want::Attached => None,
+            _ => Some(Err(AttachError::Failed {
+                host: String::new(),
+                error: "the attach request was withdrawn while it waited".to_string(),
+                retryable: true,
+            })),
+        })
+    }
+
+    fn detach(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<(), AttachError> {
+        self.request(req, Want::Detached)
+            .map_err(AttachError::Store)?;
+        self.wait_for(req, wait, shutdown, |rec| match rec {
+            None => Some(Ok(())),
+            Some(r) if r.want == Want::Detached && r.state == AttachState::Failed => {
+                Some(Err(failed(r)))
+            }
+            Some(r) if r.want == Want::Detached => None,
+            Some(_) => Some(Err(AttachError::Failed {
+                host: String::new(),
+                error: "an attach was asked for again while the detach waited".to_string(),
+                retryable: true,
+            })),
+        })
+    }
+}
+
+/// What detaching a volume from a node (gone for good) did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeDetach {
+    /// A controller detach was performed (the node held an attachment).
+    pub detached: bool,
+    /// The allocations whose claims of the volume were freed.
+    pub freed: Vec<String>,
+}
+
+impl EtcdClaims {
+    /// Detaches `volume_id` from `node` through a controller host when the
+    /// node holds an attachment of it (the external node ID recorded at
+    /// attach time), then frees the node's claims of the volume, each with
+    /// a `freed/` note carrying `reason`. For a node that is gone for good:
+    /// the caller checked that it is not alive.
+    pub fn release_node_volume(
+        &self,
+        volume_id: &str,
+        node: &str,
+        reason: &str,
+        by: &str,
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<NodeDetach, AttachError> {
+        let store = |e| AttachError::Store(unavailable(e));
+        let r = self
+            .client()
+            .range_prefix(format!("{}/claims/{volume_id}/", self.prefix()))
+            .map_err(store)?;
+        let mut mine = Vec::new();
+        for kv in &r.kvs {
+            let stored = super::etcd::parse(kv).map_err(AttachError::Store)?;
+            if stored.claim.node == node {
+                mine.push((kv.clone(), stored));
+            }
+        }
+        let attachment = self
+            .client()
+            .get(self.attachment_key(volume_id, node))
+            .map_err(store)?
+            .map(|kv| parse_attachment(&kv))
+            .transpose()
+            .map_err(AttachError::Store)?;
+        let recorded_node_id = mine
+            .iter()
+            .find_map(|(_, s)| s.claim.external_node_id.clone());
+        let request = match (attachment, recorded_node_id) {
+            (Some(a), _) => Some(AttachRequest {
+                volume_id: a.volume_id,
+                node: a.node,
+                plugin_id: a.plugin_id,
+                external_volume_id: a.external_volume_id,
+                external_node_id: a.external_node_id,
+                usage: a.usage,
+                mount_flags: a.mount_flags,
+            }),
+            (None, Some(node_id)) => {
+                let spec = super::SharedVolumes::get(self, volume_id)
+                    .map_err(AttachError::Store)?
+                    .ok_or_else(|| {
+                        AttachError::Store(ClaimError::UnknownVolume {
+                            volume_id: volume_id.to_string(),
+                        })
+                    })?;
+                let claim = &mine[0].1.claim;
+                Some(AttachRequest {
+                    volume_id: volume_id.to_string(),
+                    node: node.to_string(),
+                    plugin_id: spec.plugin_id.clone(),
+                    external_volume_id: spec.external_id.clone(),
+                    external_node_id: node_id,
+                    usage: Usage {
+                        read_only: claim.mode == super::ClaimMode::Read,
+                        attachment: spec
+                            .attachment_modes
+                            .first()
+                            .copied()
+                            .unwrap_or(crate::volumes::AttachmentMode::FileSystem),
+                        access_mode: claim.access_mode,
+                    },
+                    mount_flags: Vec::new(),
+                })
+            }
+            (None, None) => None,
+        };
+        let mut out = NodeDetach::default();
+        if let Some(req) = &request {
+            self.detach(req, wait, shutdown)?;
+            out.detached = true;
+        }
+        for (kv, stored) in mine {
+            let note = serde_json::json!({
+                "claim": stored.claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
+            });
+            let note_key = format!(
+                "{}/freed/{}/{}",
+                self.prefix(),
+                stored.claim.volume_id,
+                stored.claim.alloc_id
+            );
+            let t = self
+                .client()
+                .txn(
+                    &[Compare::mod_revision(
+                        kv.key.clone(),
+                        CompareOp::Equal,
+                        kv.mod_revision,
+                    )],
+                    &[
+                        TxnOp::delete(kv.key.clone()),
+                        TxnOp::put(note_key, note.to_string()),
+                    ],
+                    &[],
+                )
+                .map_err(store)?;
+            if t.succeeded {
+                log::warn!(
+                    "cluster: freed the claim of volume {volume_id} by allocation {} of node {node}: {reason}",
+                    stored.claim.alloc_id
+                );
+                out.freed.push(stored.claim.alloc_id);
+            }
+        }
+        Ok(out)
+    }
+}

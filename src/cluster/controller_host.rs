@@ -1,0 +1,462 @@
+//! Controller work for other nodes (the Kubernetes VolumeAttachment
+//! pattern): an agent whose own plugin serves a controller side announces
+//! it under `<prefix>/plugins/<plugin>/controllers/<node>`, watches
+//! `<prefix>/attachments/`, and performs the pending requests for the
+//! plugins it hosts: ControllerPublish (result and publish context written
+//! back) or ControllerUnpublish (the request deleted once done).
+//!
+//! Several agents may host the same plugin: each request is performed by
+//! the one holding `<prefix>/attachment-locks/<volume>/<node>`, a key on
+//! the holder's liveness lease taken by `Txn`. A host that dies mid-request
+//! loses the lock when its lease expires, and another host (or the same
+//! one, restarted, at once) takes the request over; CSI's controller calls
+//! are idempotent, so a call repeated by the next host attaches once. The
+//! result is written only while the request is unchanged and the lock is
+//! still this host's.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::liveness::NodeLiveness;
+use crate::claims::attach::{
+    now_ms, parse_attachment, AttachState, AttachmentRecord, ControllerHostRecord, Want,
+};
+use crate::claims::{ClaimError, EtcdClaims, SharedVolumes};
+use crate::etcd::{prefix_end, Compare, CompareOp, KeyValue, LeaseId, TxnOp, Watcher};
+use crate::plugins::{PluginKind, PluginSnapshot, Registry};
+use crate::shutdown::Shutdown;
+use crate::threads::Threads;
+use crate::volumes::requests::{self, VolumeRef};
+
+/// Longest pause between two scans of the requests when the watch says
+/// nothing (a lock that expired with its lease, a watch that broke).
+const SCAN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The controller host's loop, owned by the agent.
+pub struct ControllerHost {
+    threads: Mutex<Option<Threads>>,
+}
+
+impl ControllerHost {
+    /// Starts the loop (thread `controller-host`).
+    pub fn start(
+        claims: Arc<EtcdClaims>,
+        registry: Registry,
+        liveness: Arc<NodeLiveness>,
+        node: &str,
+        shutdown: Shutdown,
+    ) -> std::io::Result<ControllerHost> {
+        let mut threads = Threads::new();
+        let host = Host {
+            claims,
+            registry,
+            liveness,
+            node: node.to_string(),
+            shutdown,
+            announced: BTreeMap::new(),
+            busy: Arc::new(Mutex::new(HashSet::new())),
+            workers: Threads::new(),
+        };
+        threads.spawn("controller-host", move || host.run())?;
+        Ok(ControllerHost {
+            threads: Mutex::new(Some(threads)),
+        })
+    }
+
+    /// Joins the loop (after the stop was triggered) up to `deadline`.
+    pub fn join(&self, deadline: Instant) -> Vec<String> {
+        self.threads
+            .lock()
+            .take()
+            .map(|t| t.join_until(deadline))
+            .unwrap_or_default()
+    }
+}
+
+struct Host {
+    claims: Arc<EtcdClaims>,
+    registry: Registry,
+    liveness: Arc<NodeLiveness>,
+    node: String,
+    shutdown: Shutdown,
+    /// What this node last wrote as its host record, per plugin.
+    announced: BTreeMap<String, ControllerHostRecord>,
+    /// Requests (keys) a worker of this host is performing.
+    busy: Arc<Mutex<HashSet<String>>>,
+    workers: Threads,
+}
+
+impl Host {
+    fn run(mut self) {
+        let mut watcher: Option<Watcher> = None;
+        while !self.shutdown.is_triggered() {
+            self.announce();
+            if self.announced.is_empty() {
+                // Hosting no controller (yet): nothing to look at.
+                watcher = None;
+                if !self.shutdown.sleep(SCAN_INTERVAL) {
+                    break;
+                }
+                continue;
+            }
+            if let Some(lease) = self.liveness.status().lease {
+                if let Err(e) = self.scan(lease) {
+                    log::warn!("controller host: cannot read the attach requests: {e}");
+                }
+            }
+            self.workers.reap();
+            if watcher.is_none() {
+                let prefix = format!("{}/attachment", self.claims.prefix());
+                watcher = self
+                    .claims
+                    .client()
+                    .watch(prefix.as_bytes(), prefix_end(prefix.as_bytes()), 0)
+                    .ok();
+            }
+            match &watcher {
+                Some(w) => match w.recv_timeout(SCAN_INTERVAL) {
+                    // Something changed: drain what came with it, then scan.
+                    Ok(Some(_)) => while let Ok(Some(_)) = w.recv_timeout(Duration::ZERO) {},
+                    Ok(None) => {}
+                    Err(_) => watcher = None,
+                },
+                None => {
+                    if !self.shutdown.sleep(SCAN_INTERVAL) {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(watcher);
+        let deadline = Instant::now() + crate::config::DEFAULT_CSI_CALL_TIMEOUT;
+        let left = std::mem::take(&mut self.workers).join_until(deadline);
+        if !left.is_empty() {
+            log::warn!(
+                "controller host: still running at stop: {}",
+                left.join(", ")
+            );
+        }
+    }
+
+    /// Writes this node's host record of each plugin whose controller side
+    /// it serves, when it changed.
+    fn announce(&mut self) {
+        for p in self.registry.list() {
+            if !p.serves(PluginKind::Controller) || p.controller_capabilities.is_none() {
+                continue;
+            }
+            let caps = p.controller_capabilities.as_ref();
+            let rec = ControllerHostRecord {
+                plugin_id: p.id.clone(),
+                node: self.node.clone(),
+                publish_unpublish_volume: caps.is_some_and(|c| c.publish_unpublish_volume),
+                publish_readonly: caps.is_some_and(|c| c.publish_readonly),
+                ready: p.health == crate::plugins::Health::Ready,
+                updated_at_ms: 0,
+            };
+            if self.announced.get(&p.id) == Some(&rec) {
+                continue;
+            }
+            let stamped = ControllerHostRecord {
+                updated_at_ms: now_ms(),
+                ..rec.clone()
+            };
+            match self.claims.put_controller_host(&stamped) {
+                Ok(()) => {
+                    log::info!(
+                        "controller host: announced the controller of plugin {} (attaches: {}, ready: {})",
+                        rec.plugin_id,
+                        rec.publish_unpublish_volume,
+                        rec.ready
+                    );
+                    self.announced.insert(p.id.clone(), rec);
+                }
+                Err(e) => log::warn!(
+                    "controller host: cannot announce the controller of plugin {}: {e}",
+                    p.id
+                ),
+            }
+        }
+    }
+
+    /// Takes every pending request of a plugin this node hosts that no
+    /// other host holds, each on its own worker thread.
+    fn scan(&mut self, lease: LeaseId) -> Result<(), ClaimError> {
+        let r = self
+            .claims
+            .client()
+            .range_prefix(self.claims.attachments_prefix())
+            .map_err(crate::claims::etcd::unavailable)?;
+        for kv in &r.kvs {
+            let rec = match parse_attachment(kv) {
+                Ok(r) => r,
+                Err(e) => {
+                    log::warn!("controller host: {e} (left untouched)");
+                    continue;
+                }
+            };
+            let key = kv.key_str().into_owned();
+            if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
+                continue;
+            }
+            let Some(controller) = self
+                .registry
+                .get_ready(&rec.plugin_id, PluginKind::Controller)
+                .filter(attaches)
+            else {
+                continue;
+            };
+            let lock = LockKey {
+                key: self.claims.attachment_lock_key(&rec.volume_id, &rec.node),
+                value: serde_json::json!({"host": self.node, "lease": lease.to_string()})
+                    .to_string(),
+            };
+            match self.take_lock(&lock, lease) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    log::warn!("controller host: cannot lock {key}: {e}");
+                    continue;
+                }
+            }
+            self.busy.lock().insert(key.clone());
+            let work = Work {
+                claims: self.claims.clone(),
+                node: self.node.clone(),
+                key: key.clone(),
+                lock,
+                controller,
+            };
+            let busy = self.busy.clone();
+            let spawned = self.workers.spawn(
+                format!("attach-{}-{}", rec.volume_id, rec.node),
+                move || {
+                    work.perform();
+                    busy.lock().remove(&work.key);
+                },
+            );
+            if let Err(e) = spawned {
+                log::warn!("controller host: cannot start a worker for {key}: {e}");
+                self.busy.lock().remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the request's lock on this node's lease: a free lock, or one
+    /// this node held under an earlier lease (before a restart).
+    fn take_lock(&self, lock: &LockKey, lease: LeaseId) -> Result<bool, ClaimError> {
+        let client = self.claims.client();
+        let unavailable = crate::claims::etcd::unavailable;
+        let put = TxnOp::put_with_lease(lock.key.clone(), lock.value.clone(), lease);
+        let t = client
+            .txn(
+                &[Compare::absent(lock.key.clone())],
+                std::slice::from_ref(&put),
+                &[TxnOp::get(lock.key.clone())],
+            )
+            .map_err(unavailable)?;
+        if t.succeeded {
+            return Ok(true);
+        }
+        let Some(held) = t.first_range().and_then(|r| r.kvs.first()) else {
+            return Ok(false);
+        };
+        if held_by(held) != Some(self.node.clone()) || held.lease == Some(lease) {
+            return Ok(false);
+        }
+        let same = Compare::mod_revision(lock.key.clone(), CompareOp::Equal, held.mod_revision);
+        Ok(client
+            .txn(&[same], &[put], &[])
+            .map_err(unavailable)?
+            .succeeded)
+    }
+}
+
+fn held_by(kv: &KeyValue) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(&kv.value).ok()?;
+    v["host"].as_str().map(str::to_string)
+}
+
+fn attaches(c: &PluginSnapshot) -> bool {
+    c.controller_capabilities
+        .as_ref()
+        .is_some_and(|caps| caps.publish_unpublish_volume)
+}
+
+/// A request lock as this host wrote it.
+struct LockKey {
+    key: String,
+    value: String,
+}
+
+/// One request, performed on a worker thread.
+struct Work {
+    claims: Arc<EtcdClaims>,
+    node: String,
+    key: String,
+    lock: LockKey,
+    controller: PluginSnapshot,
+}
+
+impl Work {
+    fn perform(&self) {
+        if let Err(e) = self.try_perform() {
+            log::warn!("controller host: {}: {e}", self.key);
+            self.unlock();
+        }
+    }
+
+    fn try_perform(&self) -> Result<(), ClaimError> {
+        let client = self.claims.client();
+        let unavailable = crate::claims::etcd::unavailable;
+        // Read again under the lock: the requester may have changed it.
+        let Some(kv) = client.get(&self.key).map_err(unavailable)? else {
+            self.unlock();
+            return Ok(());
+        };
+        let mut rec = parse_attachment(&kv)?;
+        if rec.state != AttachState::Pending {
+            self.unlock();
+            return Ok(());
+        }
+        let result = self.call(&rec);
+        rec.handled_by = Some(self.node.clone());
+        rec.updated_at_ms = now_ms();
+        let done_op = match (&rec.want, result) {
+            (Want::Attached, Ok(ctx)) => {
+                log::info!(
+                    "controller host: attached volume {} to node {} (node ID {})",
+                    rec.volume_id,
+                    rec.node,
+                    rec.external_node_id
+                );
+                rec.state = AttachState::Done;
+                rec.publish_context = ctx;
+                rec.error = None;
+                put(&self.key, &rec)
+            }
+            (Want::Detached, Ok(_)) => {
+                log::info!(
+                    "controller host: detached volume {} from node {} (node ID {})",
+                    rec.volume_id,
+                    rec.node,
+                    rec.external_node_id
+                );
+                TxnOp::delete(self.key.clone())
+            }
+            (_, Err((error, retryable))) => {
+                log::warn!(
+                    "controller host: {} of volume {} for node {} failed: {error}",
+                    match rec.want {
+                        Want::Attached => "ControllerPublishVolume",
+                        Want::Detached => "ControllerUnpublishVolume",
+                    },
+                    rec.volume_id,
+                    rec.node
+                );
+                rec.state = AttachState::Failed;
+                rec.error = Some(error);
+                rec.retryable = retryable;
+                put(&self.key, &rec)
+            }
+        };
+        // Only while the request is as it was read and the lock is ours.
+        let t = client
+            .txn(
+                &[
+                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, kv.mod_revision),
+                    Compare::value(
+                        self.lock.key.clone(),
+                        CompareOp::Equal,
+                        self.lock.value.clone(),
+                    ),
+                ],
+                &[done_op, TxnOp::delete(self.lock.key.clone())],
+                &[],
+            )
+            .map_err(unavailable)?;
+        if !t.succeeded {
+            log::info!(
+                "controller host: {} changed while it was performed; it is looked at again",
+                self.key
+            );
+            self.unlock();
+        }
+        Ok(())
+    }
+
+    /// The controller call; the publish context, or the error and whether
+    /// asking again can help.
+    fn call(&self, rec: &AttachmentRecord) -> Result<BTreeMap<String, String>, (String, bool)> {
+        let spec = match self.claims.get(&rec.volume_id) {
+            Ok(Some(spec)) => spec,
+            Ok(None) => {
+                return Err((
+                    format!("volume {} is not registered in the cluster", rec.volume_id),
+                    false,
+                ))
+            }
+            Err(e) => return Err((e.to_string(), true)),
+        };
+        let no_context = BTreeMap::new();
+        let vref = VolumeRef {
+            external_volume_id: &rec.external_volume_id,
+            external_node_id: Some(&rec.external_node_id),
+            usage: &rec.usage,
+            mount_flags: &rec.mount_flags,
+            mount_group: "",
+            staging_path: None,
+            target_path: Path::new(""),
+            publish_context: &no_context,
+        };
+        let client = &self.controller.client;
+        match rec.want {
+            Want::Attached => {
+                let readonly = self
+                    .controller
+                    .controller_capabilities
+                    .as_ref()
+                    .is_some_and(|c| c.publish_readonly);
+                client
+                    .controller_publish_volume(&requests::controller_publish(vref, &spec, readonly))
+                    .map_err(|e| (crate::error_chain(&e), e.is_retryable()))
+            }
+            Want::Detached => {
+                match client
+                    .controller_unpublish_volume(&requests::controller_unpublish(vref, Some(&spec)))
+                {
+                    Err(e) if !e.is_ignorable() => Err((crate::error_chain(&e), e.is_retryable())),
+                    _ => Ok(BTreeMap::new()),
+                }
+            }
+        }
+    }
+
+    /// Lets go of the lock (only this host's: compared by value).
+    fn unlock(&self) {
+        let same = Compare::value(
+            self.lock.key.clone(),
+            CompareOp::Equal,
+            self.lock.value.clone(),
+        );
+        let del = TxnOp::delete(self.lock.key.clone());
+        if let Err(e) = self.claims.client().txn(&[same], &[del], &[]) {
+            log::info!(
+                "controller host: lock {} stays until this node's lease ends: {e}",
+                self.lock.key
+            );
+        }
+    }
+}
+
+fn put(key: &str, rec: &AttachmentRecord) -> TxnOp {
+    TxnOp::put(
+        key.to_string(),
+        serde_json::to_vec(rec).expect("a request always encodes"),
+    )
+}

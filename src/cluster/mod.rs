@@ -1,0 +1,12 @@
+//! Cluster mode's background work on each agent: this node's liveness
+//! (`liveness`), the controller work it does for other nodes when it hosts
+//! a plugin's controller side (`controller_host`), and the disconnect rule
+//! (`disconnect`, `stop_after_disconnect`).
+
+mod controller_host;
+mod disconnect;
+mod liveness;
+
+pub use controller_host::ControllerHost;
+pub use disconnect::{DisconnectRule, NodeSettings, RuleParts, DISCONNECT_RELEASE_REASON};
+pub use liveness::{Liveness, NodeLiveness, NodeRecord};
