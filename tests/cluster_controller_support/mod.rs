@@ -81,6 +81,8 @@ pub struct NodeSpec {
     pub proxied: bool,
     /// Fields set in the agent's `cluster` section (besides `lease_ttl`).
     pub cluster: Vec<(String, Value)>,
+    /// The agent's `csi_call_timeout`, when not the harness's default.
+    pub csi_call_timeout: Option<String>,
 }
 
 /// A node whose plugin serves the controller side for itself and for
@@ -91,6 +93,7 @@ pub fn host(name: &str, others: &[&str]) -> NodeSpec {
         controller_for: Some(others.iter().map(|n| ext(n)).collect()),
         proxied: false,
         cluster: Vec::new(),
+        csi_call_timeout: None,
     }
 }
 
@@ -102,12 +105,18 @@ pub fn node_only(name: &str) -> NodeSpec {
         controller_for: None,
         proxied: false,
         cluster: Vec::new(),
+        csi_call_timeout: None,
     }
 }
 
 impl NodeSpec {
     pub fn proxied(mut self) -> NodeSpec {
         self.proxied = true;
+        self
+    }
+
+    pub fn csi_call_timeout(mut self, d: &str) -> NodeSpec {
+        self.csi_call_timeout = Some(d.to_string());
         self
     }
 
@@ -128,6 +137,8 @@ pub struct Node {
     pub plugin: TestPlugin,
     pub proxy: Option<Proxy>,
     pub name: String,
+    /// Whether its plugin serves the controller side.
+    pub is_host: bool,
 }
 
 impl Node {
@@ -153,6 +164,9 @@ impl Node {
         let mut config =
             AgentConfig::new(&ndir, Some(&plugin.socket)).cluster_node(&spec.name, &[endpoint]);
         config.claim_retry_deadline = "5m".into();
+        if let Some(d) = &spec.csi_call_timeout {
+            config.csi_call_timeout = d.clone();
+        }
         let cluster = config.cluster.as_mut().expect("a cluster section");
         cluster["lease_ttl"] = json!(LEASE_TTL);
         for (k, v) in &spec.cluster {
@@ -163,6 +177,7 @@ impl Node {
             agent,
             plugin,
             proxy,
+            is_host: spec.controller_for.is_some(),
             name: spec.name,
         }
     }
@@ -370,13 +385,29 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// etcd and one node per spec, every agent started.
+    /// etcd and one node per spec, every agent started, every host's
+    /// controller announced in etcd.
     pub fn start(specs: Vec<NodeSpec>) -> Cluster {
         let mut c = Cluster::prepare(specs);
-        for n in &mut c.nodes {
-            n.start_agent();
+        let names: Vec<String> = c.nodes.iter().map(|n| n.name.clone()).collect();
+        for name in names {
+            c.start_agent(&name);
         }
         c
+    }
+
+    /// Starts node `name`'s agent; a host's, until its controller is
+    /// announced (a node that mounts before any host is announced does not
+    /// know the plugin needs attaching).
+    pub fn start_agent(&mut self, name: &str) {
+        self.node_mut(name).start_agent();
+        if self.node(name).is_host {
+            let key = format!("{PREFIX}/plugins/{PLUGIN_ID}/controllers/{name}");
+            let client = self.etcd.client();
+            wait_until(SHOW_TIMEOUT, &format!("{key} to be written"), || {
+                client.get(&key).expect("read etcd").is_some()
+            });
+        }
     }
 
     /// etcd and one node per spec, plugins started, agents not.
