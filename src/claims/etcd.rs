@@ -152,14 +152,20 @@ impl EtcdClaims {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing);
+                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing, None);
                 Ok(())
             }
             ClaimChange::MarkNodeDetached {
                 volume_id,
                 alloc_id,
+                error,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::NodeDetached);
+                self.mark_in_background(
+                    volume_id,
+                    alloc_id,
+                    ClaimState::NodeDetached,
+                    Some(error.clone()),
+                );
                 Ok(())
             }
             ClaimChange::Free {
@@ -174,7 +180,13 @@ impl EtcdClaims {
         }
     }
 
-    fn mark_in_background(&self, volume_id: &str, alloc_id: &str, state: ClaimState) {
+    fn mark_in_background(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        state: ClaimState,
+        error: Option<String>,
+    ) {
         let (this, v, a) = (
             self.clone_handle(),
             volume_id.to_string(),
@@ -183,7 +195,13 @@ impl EtcdClaims {
         let spawned = std::thread::Builder::new()
             .name(format!("etcd-mark-{v}"))
             .spawn(move || {
-                if let Err(e) = this.update(&v, &a, |c| c.state = state) {
+                let mark = |c: &mut Claim| {
+                    c.state = state;
+                    if error.is_some() {
+                        c.last_error = error.clone();
+                    }
+                };
+                if let Err(e) = this.update(&v, &a, mark) {
                     log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
                 }
             });
@@ -270,6 +288,8 @@ impl EtcdClaims {
                     external_node_id: None,
                     publish_context: Default::default(),
                     state: ClaimState::Taken,
+                    since_ms: Some(now_ms()),
+                    last_error: None,
                 },
                 taken_at_ms: now_ms(),
             };
@@ -476,7 +496,10 @@ impl ClaimStore for EtcdClaims {
         let mut problems = Vec::new();
         for kv in &r.kvs {
             match parse(kv) {
-                Ok(s) => claims.push(s.claim),
+                Ok(s) => claims.push(Claim {
+                    since_ms: s.claim.since_ms.or(Some(s.taken_at_ms)),
+                    ..s.claim
+                }),
                 Err(e) => problems.push(e.to_string()),
             }
         }
