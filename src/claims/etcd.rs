@@ -570,6 +570,10 @@ pub struct Reconciled {
     pub freed: Vec<(String, String)>,
     /// Such claims kept because something of them is still mounted.
     pub kept: Vec<(String, String)>,
+    /// (volume, alloc, why) of local records past their claim whose claim
+    /// etcd no longer holds: freed by the cluster (the disconnect rule) or
+    /// by hand while this node was away. Their allocations must go.
+    pub lost: Vec<(String, String, String)>,
 }
 
 impl EtcdClaims {
@@ -585,15 +589,54 @@ impl EtcdClaims {
         mount_root: &std::path::Path,
         started_ms: u64,
     ) -> Result<Reconciled, ClaimError> {
+        // The local records first: one past its claim was in etcd before
+        // it was recorded, so a claim missing from the later read was freed.
+        let past_claim: Vec<(String, String)> = self.state.read(|s| {
+            s.alloc_volumes()
+                .filter(|(a, v)| {
+                    !a.releasing
+                        && matches!(
+                            v.phase,
+                            crate::state::Phase::Mounting | crate::state::Phase::Published
+                        )
+                })
+                .map(|(a, v)| (v.volume_id.clone(), a.id.clone()))
+                .collect()
+        });
         let r = self
             .client
             .range_prefix(self.all_prefix())
             .map_err(unavailable)?;
+        let held: std::collections::HashSet<(String, String)> = r
+            .kvs
+            .iter()
+            .filter_map(|kv| parse(kv).ok())
+            .filter(|s| s.claim.node == node)
+            .map(|s| (s.claim.volume_id, s.claim.alloc_id))
+            .collect();
+        let mut lost = Vec::new();
+        for (volume_id, alloc_id) in past_claim {
+            if held.contains(&(volume_id.clone(), alloc_id.clone())) {
+                continue;
+            }
+            let note = self
+                .client
+                .get(format!("{}/freed/{volume_id}/{alloc_id}", self.prefix))
+                .map_err(unavailable)?;
+            let why = note
+                .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
+                .and_then(|v| v["reason"].as_str().map(str::to_string))
+                .unwrap_or_else(|| "its claim is no longer in etcd".to_string());
+            lost.push((volume_id, alloc_id, why));
+        }
         let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
             store: "mountinfo".to_string(),
             reason: e.to_string(),
         })?;
-        let mut out = Reconciled::default();
+        let mut out = Reconciled {
+            lost,
+            ..Reconciled::default()
+        };
         for kv in &r.kvs {
             let Ok(stored) = parse(kv) else {
                 // A corrupt value is reported where it is used, never
