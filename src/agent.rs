@@ -144,6 +144,8 @@ impl Agent {
             shutdown.clone(),
         )
         .map_err(io_err("failed to start the plugin registry"))?;
+        // The lifecycle, once it exists, for the cluster's reconciliation.
+        let lifecycle_slot: Arc<std::sync::OnceLock<Lifecycle>> = Arc::default();
         let (claims, cluster): (Arc<dyn ClaimStore>, _) = match &config.cluster {
             None => (Arc::new(EmbeddedClaims::new(store.clone())), None),
             Some(c) => {
@@ -159,10 +161,11 @@ impl Agent {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0);
-                let (reconciler, node, root) = (
+                let (reconciler, node, root, releaser) = (
                     etcd_claims.clone(),
                     config.node_name.clone(),
                     config.mount_root.clone(),
+                    lifecycle_slot.clone(),
                 );
                 let liveness = NodeLiveness::start(
                     client,
@@ -172,12 +175,25 @@ impl Agent {
                     shutdown.clone(),
                     Box::new(move || {
                         match reconciler.reconcile(&node, &root, started_ms) {
-                            Ok(r) if r.freed.is_empty() && r.kept.is_empty() => {}
-                            Ok(r) => log::info!(
-                                "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",
-                                r.freed.len(),
-                                r.kept.len()
-                            ),
+                            Ok(r) => {
+                                if !r.freed.is_empty() || !r.kept.is_empty() {
+                                    log::info!(
+                                        "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",
+                                        r.freed.len(),
+                                        r.kept.len()
+                                    );
+                                }
+                                if !r.lost.is_empty() {
+                                    // The first registration can come before
+                                    // the lifecycle exists (it is made right
+                                    // after this thread starts).
+                                    let until = Instant::now() + Duration::from_secs(30);
+                                    while releaser.get().is_none() && Instant::now() < until {
+                                        std::thread::sleep(Duration::from_millis(20));
+                                    }
+                                    release_lost(releaser.get(), &r.lost);
+                                }
+                            }
                             Err(e) => log::warn!("cluster: reconciliation skipped: {e}"),
                         }
                     }),
@@ -201,6 +217,7 @@ impl Agent {
             opts.attach_timeout = c.attach_timeout;
         }
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
+        let _ = lifecycle_slot.set(lifecycle.clone());
         let report = lifecycle.restore_with(&|p: RestoreProgress| {
             notifier.status(&format!(
                 "restoring {} allocations, {} done",
@@ -412,6 +429,26 @@ pub fn dev_dir() -> Result<PathBuf, AgentError> {
         base.display()
     )))?;
     Ok(base)
+}
+
+/// Releases the allocations whose claims etcd no longer holds (freed by the
+/// cluster's disconnect rule or by hand while this node was away): they
+/// must not stay mounted without a claim.
+fn release_lost(lifecycle: Option<&Lifecycle>, lost: &[(String, String, String)]) {
+    let Some(lifecycle) = lifecycle else {
+        return;
+    };
+    let mut done = std::collections::BTreeSet::new();
+    for (volume, alloc, why) in lost {
+        log::warn!(
+            "cluster: allocation {alloc} records volume {volume} but etcd no longer holds its claim ({why}): releasing the allocation"
+        );
+        if done.insert(alloc.clone()) {
+            if let Err(e) = lifecycle.release(alloc) {
+                log::error!("allocation {alloc}: cannot be released: {e}");
+            }
+        }
+    }
 }
 
 /// The etcd client of the cluster section (nothing is sent yet: an etcd

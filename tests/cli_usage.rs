@@ -46,12 +46,12 @@ fn unknown_verbs_are_usage_errors_with_or_without_help() {
         (
             &["volume", "destroy"],
             "\"destroy\"",
-            "register, list, deregister, create, delete, expand, snapshot",
+            "register, list, deregister, create, delete, detach, expand, snapshot",
         ),
         (
             &["volume", "destroy", "--help"],
             "\"destroy\"",
-            "register, list, deregister, create, delete, expand, snapshot",
+            "register, list, deregister, create, delete, detach, expand, snapshot",
         ),
         (
             &["snapshot", "-h", "rename"],

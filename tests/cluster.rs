@@ -1222,3 +1222,53 @@ fn health_and_metrics_follow_the_link_to_etcd() {
         n.agent.cli(&["health"]).code == EXIT_OK
     });
 }
+
+/// A node whose claim was freed elsewhere while its agent was down (by hand
+/// here; the disconnect rule frees the same way, with a note) releases the
+/// allocation when it is back in touch with etcd: nothing stays mounted
+/// without a claim, the claim is not taken again, and another node can
+/// use the volume.
+#[test]
+fn a_claim_freed_while_the_agent_was_down_releases_its_allocation() {
+    let mut c = Cluster::start(&["a", "b"], &|_| {});
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let path = c.nodes[0].mount_ok("a1", "data=v");
+    c.nodes[0].agent.kill();
+    c.nodes[1]
+        .agent
+        .cli(&[
+            "claim",
+            "free",
+            "v",
+            "a1",
+            "--reason",
+            "node a replaced",
+            "--force",
+        ])
+        .ok();
+    assert!(stored_claims(&c.etcd, "v").is_empty());
+    c.nodes[0].agent.spawn();
+    c.nodes[0].agent.wait_listening();
+    wait_until(RETRY_TIMEOUT, "node a to release a1", || {
+        no_allocs(&c.nodes[0]) && c.nodes[0].targets().is_empty()
+    });
+    assert!(!is_mount_point(&path));
+    assert!(
+        stored_claims(&c.etcd, "v").is_empty(),
+        "the freed claim was not taken again"
+    );
+    let log = c.nodes[0].agent.log();
+    assert!(
+        log.contains("no longer holds its claim") && log.contains("node a replaced"),
+        "the log says why: {log}"
+    );
+    let calls = c.nodes[0].volume_calls();
+    assert!(
+        calls.ends_with(&[
+            "NodeUnpublishVolume".to_string(),
+            "NodeUnstageVolume".to_string()
+        ]),
+        "{calls:?}"
+    );
+    c.nodes[1].mount_ok("b1", "data=v");
+}

@@ -80,6 +80,8 @@ fn full_claim(volume: &str, alloc: &str, mode: ClaimMode, access_mode: AccessMod
         external_node_id: Some(PLUGIN_NODE_ID.to_string()),
         publish_context: publish_context(volume, PLUGIN_NODE_ID),
         state: ClaimState::Taken,
+        since_ms: None,
+        last_error: None,
     }
 }
 
@@ -1758,16 +1760,21 @@ fn a_detach_being_retried_shows_the_claim_node_detached() {
         {"method": CU, "action": "fail", "code": "UNAVAILABLE", "count": 1000}
     ]));
     h.m().release("a1").expect("release");
-    let state = || {
+    let claim = || {
         h.m()
             .list_claims()
             .into_iter()
             .find(|c| c.volume_id == "v" && c.alloc_id == "a1")
-            .map(|c| c.state)
     };
+    let state = || claim().map(|c| c.state);
     wait_until(WAIT, "the claim marked node-detached", || {
         state() == Some(ClaimState::NodeDetached)
     });
+    let why = claim().and_then(|c| c.last_error).unwrap_or_default();
+    assert!(
+        why.contains("UNAVAILABLE") || why.contains("navailable"),
+        "the claim says why it is not freed: {why:?}"
+    );
     assert!(
         mounts_under(&h.mount_root).is_empty(),
         "the node side is done while the detach is retried"

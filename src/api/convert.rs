@@ -384,6 +384,8 @@ pub fn claim_to_wire(c: &crate::state::Claim) -> w::ClaimInfo {
         }
         .to_string(),
         external_node_id: c.external_node_id.clone().unwrap_or_default(),
+        since_ms: c.since_ms.unwrap_or_default(),
+        last_error: c.last_error.clone().unwrap_or_default(),
         ..Default::default()
     }
 }

@@ -70,9 +70,11 @@ fn apply(s: &mut StateFile, change: &ClaimChange) -> Result<(), ClaimError> {
         ClaimChange::MarkNodeDetached {
             volume_id,
             alloc_id,
+            error,
         } => {
             if let Some(c) = s.claim_mut(volume_id, alloc_id) {
                 c.state = ClaimState::NodeDetached;
+                c.last_error = Some(error.clone());
             }
             Ok(())
         }
@@ -117,6 +119,8 @@ fn take(s: &mut StateFile, req: &ClaimRequest) -> Result<(), ClaimError> {
         external_node_id: None,
         publish_context: BTreeMap::new(),
         state: ClaimState::Taken,
+        since_ms: None,
+        last_error: None,
     };
     s.claims.insert(
         (req.volume_id.clone(), req.alloc_id.clone()),

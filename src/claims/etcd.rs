@@ -152,14 +152,20 @@ impl EtcdClaims {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing);
+                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing, None);
                 Ok(())
             }
             ClaimChange::MarkNodeDetached {
                 volume_id,
                 alloc_id,
+                error,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::NodeDetached);
+                self.mark_in_background(
+                    volume_id,
+                    alloc_id,
+                    ClaimState::NodeDetached,
+                    Some(error.clone()),
+                );
                 Ok(())
             }
             ClaimChange::Free {
@@ -174,7 +180,13 @@ impl EtcdClaims {
         }
     }
 
-    fn mark_in_background(&self, volume_id: &str, alloc_id: &str, state: ClaimState) {
+    fn mark_in_background(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        state: ClaimState,
+        error: Option<String>,
+    ) {
         let (this, v, a) = (
             self.clone_handle(),
             volume_id.to_string(),
@@ -183,7 +195,13 @@ impl EtcdClaims {
         let spawned = std::thread::Builder::new()
             .name(format!("etcd-mark-{v}"))
             .spawn(move || {
-                if let Err(e) = this.update(&v, &a, |c| c.state = state) {
+                let mark = |c: &mut Claim| {
+                    c.state = state;
+                    if error.is_some() {
+                        c.last_error = error.clone();
+                    }
+                };
+                if let Err(e) = this.update(&v, &a, mark) {
                     log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
                 }
             });
@@ -270,6 +288,8 @@ impl EtcdClaims {
                     external_node_id: None,
                     publish_context: Default::default(),
                     state: ClaimState::Taken,
+                    since_ms: Some(now_ms()),
+                    last_error: None,
                 },
                 taken_at_ms: now_ms(),
             };
@@ -476,7 +496,10 @@ impl ClaimStore for EtcdClaims {
         let mut problems = Vec::new();
         for kv in &r.kvs {
             match parse(kv) {
-                Ok(s) => claims.push(s.claim),
+                Ok(s) => claims.push(Claim {
+                    since_ms: s.claim.since_ms.or(Some(s.taken_at_ms)),
+                    ..s.claim
+                }),
                 Err(e) => problems.push(e.to_string()),
             }
         }
@@ -547,6 +570,10 @@ pub struct Reconciled {
     pub freed: Vec<(String, String)>,
     /// Such claims kept because something of them is still mounted.
     pub kept: Vec<(String, String)>,
+    /// (volume, alloc, why) of local records past their claim whose claim
+    /// etcd no longer holds: freed by the cluster (the disconnect rule) or
+    /// by hand while this node was away. Their allocations must go.
+    pub lost: Vec<(String, String, String)>,
 }
 
 impl EtcdClaims {
@@ -562,15 +589,54 @@ impl EtcdClaims {
         mount_root: &std::path::Path,
         started_ms: u64,
     ) -> Result<Reconciled, ClaimError> {
+        // The local records first: one past its claim was in etcd before
+        // it was recorded, so a claim missing from the later read was freed.
+        let past_claim: Vec<(String, String)> = self.state.read(|s| {
+            s.alloc_volumes()
+                .filter(|(a, v)| {
+                    !a.releasing
+                        && matches!(
+                            v.phase,
+                            crate::state::Phase::Mounting | crate::state::Phase::Published
+                        )
+                })
+                .map(|(a, v)| (v.volume_id.clone(), a.id.clone()))
+                .collect()
+        });
         let r = self
             .client
             .range_prefix(self.all_prefix())
             .map_err(unavailable)?;
+        let held: std::collections::HashSet<(String, String)> = r
+            .kvs
+            .iter()
+            .filter_map(|kv| parse(kv).ok())
+            .filter(|s| s.claim.node == node)
+            .map(|s| (s.claim.volume_id, s.claim.alloc_id))
+            .collect();
+        let mut lost = Vec::new();
+        for (volume_id, alloc_id) in past_claim {
+            if held.contains(&(volume_id.clone(), alloc_id.clone())) {
+                continue;
+            }
+            let note = self
+                .client
+                .get(format!("{}/freed/{volume_id}/{alloc_id}", self.prefix))
+                .map_err(unavailable)?;
+            let why = note
+                .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
+                .and_then(|v| v["reason"].as_str().map(str::to_string))
+                .unwrap_or_else(|| "its claim is no longer in etcd".to_string());
+            lost.push((volume_id, alloc_id, why));
+        }
         let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
             store: "mountinfo".to_string(),
             reason: e.to_string(),
         })?;
-        let mut out = Reconciled::default();
+        let mut out = Reconciled {
+            lost,
+            ..Reconciled::default()
+        };
         for kv in &r.kvs {
             let Ok(stored) = parse(kv) else {
                 // A corrupt value is reported where it is used, never

@@ -60,7 +60,12 @@ pub enum ClaimChange {
     MarkReleasing { volume_id: String, alloc_id: String },
     /// The node side is released and the controller detach is retried
     /// (the claim is still held).
-    MarkNodeDetached { volume_id: String, alloc_id: String },
+    MarkNodeDetached {
+        volume_id: String,
+        alloc_id: String,
+        /// Why the detach is retried.
+        error: String,
+    },
     /// Free the claim; freeing a claim that is not held succeeds.
     Free { volume_id: String, alloc_id: String },
 }

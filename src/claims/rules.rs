@@ -61,6 +61,8 @@ mod tests {
             external_node_id: None,
             publish_context: BTreeMap::new(),
             state: ClaimState::Taken,
+            since_ms: None,
+            last_error: None,
         }
     }
 

@@ -51,6 +51,21 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
                             GET /healthz; `claimd metrics` works without it
     volume_stats_interval   {stats} (NodeGetVolumeStats per published
                             volume, for plugins with GET_VOLUME_STATS)
+    cluster                 none (one node: claims in the agent's state).
+                            With it, claims, registrations and controller
+                            attachments are shared through etcd:
+      endpoints             required: [\"http://host:port\", ...], failover
+      prefix                {prefix}
+      lease_ttl             {ttl} (this node's liveness lease)
+      call_timeout          {etcd_call} (every etcd call)
+      attach_timeout        {attach} (one attach/detach request through a
+                            controller host on another node)
+      stop_after_disconnect off; a duration: release this node's
+                            allocations when its lease cannot be renewed
+                            that long, and let the cluster detach and free
+                            its claims once its lease is gone that long
+      tls                   {{\"ca\", \"cert\", \"key\"}} PEM paths (builds
+                            with the `tls` feature)
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
 
 SIGNALS:
@@ -85,6 +100,10 @@ EXIT CODES:
         mount = format_duration(d.mount_retry_deadline),
         release = format_duration(d.release_retry_deadline),
         stats = format_duration(config::DEFAULT_VOLUME_STATS_INTERVAL),
+        prefix = config::DEFAULT_CLUSTER_PREFIX,
+        ttl = format_duration(config::DEFAULT_LEASE_TTL),
+        etcd_call = format_duration(config::DEFAULT_ETCD_CALL_TIMEOUT),
+        attach = format_duration(config::DEFAULT_ATTACH_TIMEOUT),
     )
 }
 

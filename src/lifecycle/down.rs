@@ -214,6 +214,7 @@ pub fn step(
                         let mark = ClaimChange::MarkNodeDetached {
                             volume_id: rec.volume_id.clone(),
                             alloc_id: alloc_id.to_string(),
+                            error: crate::error_chain(&e),
                         };
                         if let Err(m) = core.transact(vec![mark], &|_| true, &mut |_, _| {}) {
                             log::info!(

@@ -56,6 +56,14 @@ pub struct Claim {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub publish_context: BTreeMap<String, String>,
     pub state: ClaimState,
+    /// When the claim was taken (milliseconds since the epoch; claims
+    /// taken before 0.3 have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_ms: Option<u64>,
+    /// Why the holder cannot let go of it yet (a controller detach being
+    /// retried), as the holder last wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 // ---- Allocation records ------------------------------------------------------

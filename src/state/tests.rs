@@ -462,6 +462,8 @@ fn a_crash_inside_a_compaction_leaves_a_state_that_was_durable() {
         external_node_id: None,
         publish_context: BTreeMap::new(),
         state: ClaimState::Taken,
+        since_ms: None,
+        last_error: None,
     };
     let record: AllocRecord = serde_json::from_value(serde_json::json!({
         "id": "a", "volumes": {"data": {

@@ -195,6 +195,8 @@ impl TestClaims {
                         external_node_id: None,
                         publish_context: BTreeMap::new(),
                         state: ClaimState::Taken,
+                        since_ms: None,
+                        last_error: None,
                     },
                 );
             }
@@ -213,9 +215,10 @@ impl TestClaims {
                     h.state = ClaimState::Releasing;
                 }
             }
-            ClaimChange::MarkNodeDetached { .. } => {
+            ClaimChange::MarkNodeDetached { error, .. } => {
                 if let Some(h) = m.get_mut(&key) {
                     h.state = ClaimState::NodeDetached;
+                    h.last_error = Some(error.clone());
                 }
             }
             ClaimChange::Free { .. } => {

@@ -41,7 +41,9 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
             .map(|x| {
                 json!({"volume_id": x.volume_id, "alloc_id": x.alloc_id, "node": x.node,
                        "mode": x.mode, "access_mode": x.access_mode, "state": x.state,
-                       "external_node_id": x.external_node_id})
+                       "external_node_id": x.external_node_id,
+                       "since_ms": (x.since_ms > 0).then_some(x.since_ms),
+                       "last_error": (!x.last_error.is_empty()).then_some(&x.last_error)})
             })
             .collect();
         println!("{}", json!({ "claims": list, "problems": r.problems }));
@@ -54,6 +56,8 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
         "MODE".into(),
         "ACCESS MODE".into(),
         "STATE".into(),
+        "SINCE".into(),
+        "LAST ERROR".into(),
     ]];
     for x in &r.claims {
         rows.push(vec![
@@ -63,6 +67,8 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
             x.mode.clone(),
             x.access_mode.clone(),
             x.state.clone(),
+            since(x.since_ms),
+            x.last_error.clone(),
         ]);
     }
     print_table(&rows);
@@ -111,4 +117,23 @@ pub(super) fn claim_free(c: &Call) -> Result<(), CliError> {
         );
     }
     Ok(())
+}
+
+/// "4m ago" for a claim taken at `ms` (milliseconds since the epoch);
+/// "-" when not known.
+fn since(ms: u64) -> String {
+    if ms == 0 {
+        return "-".to_string();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let secs = now.saturating_sub(ms) / 1000;
+    match secs {
+        0..=59 => format!("{secs}s ago"),
+        60..=3599 => format!("{}m ago", secs / 60),
+        3600..=86399 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86400),
+    }
 }

@@ -171,7 +171,10 @@ pub const PLUGIN: Noun = Noun {
 Lists the CSI plugins the agent knows (from its config and its plugin
 directory): ID, type, health, node ID, capabilities, and why a plugin is
 not ready. --json adds socket, name, vendor_version, max_volumes_per_node,
-source and generation.
+source and generation. In cluster mode it also lists the cluster's
+controller hosts: plugin, node, whether the node is alive, whether its
+controller is ready and attaches volumes (--json: \"controller_hosts\";
+\"cluster_error\" when etcd cannot be read).
 ",
         run: plugin_list,
     }],
@@ -187,8 +190,11 @@ pub const CLAIM: Noun = Noun {
             about: "list the claims of the claim store",
             details: "\
 Lists every claim the agent's claim store holds: volume, allocation, node,
-mode (read or write), access mode and state (taken, or releasing while its
-allocation is being released). On one node these are this agent's claims;
+mode (read or write), access mode, state (taken; releasing while its
+allocation is being released; node-detached once the node side is done
+and the controller detach is being retried), since when it is held
+(cluster mode) and the holder's last error (why it cannot let go yet).
+--json adds external_node_id, since_ms and last_error. On one node these are this agent's claims;
 in cluster mode (a `cluster` section in the config) they are every node's,
 read from etcd, and the command fails (exit 1) when etcd cannot be reached.
 
@@ -607,7 +613,9 @@ mod tests {
             let text = crate::error_chain(&e);
             assert!(text.contains("\"destroy\""), "{text}");
             assert!(
-                text.contains("register, list, deregister, create, delete, expand, snapshot"),
+                text.contains(
+                    "register, list, deregister, create, delete, detach, expand, snapshot"
+                ),
                 "{text}"
             );
         }
