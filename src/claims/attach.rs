@@ -27,14 +27,17 @@ use crate::volumes::Usage;
 const RESULT_POLL_MIN: Duration = Duration::from_millis(20);
 const RESULT_POLL_MAX: Duration = Duration::from_millis(500);
 
-/// How long an answer to "does this plugin have a controller host" is
-/// used before etcd is asked again (two lookups per mount otherwise).
-const CONTROLLER_CACHE_TTL: Duration = Duration::from_secs(5);
+/// Answers of `controller_of`, per plugin, kept while a watch on
+/// `<prefix>/plugins/` says nothing changed: a host's announcement (or
+/// any change there) drops them all, and a broken watch drops them too.
+/// A mount asks twice; with the cache, etcd is asked once per change.
+#[derive(Default)]
+pub(super) struct ControllerCacheInner {
+    watcher: Option<crate::etcd::Watcher>,
+    answers: std::collections::HashMap<String, Option<RemoteController>>,
+}
 
-/// Answers of `controller_of`, per plugin, with when they were read.
-pub(super) type ControllerCache = std::sync::Arc<
-    parking_lot::Mutex<std::collections::HashMap<String, (Instant, Option<RemoteController>)>>,
->;
+pub(super) type ControllerCache = std::sync::Arc<parking_lot::Mutex<ControllerCacheInner>>;
 
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -435,9 +438,36 @@ impl RemoteControllers for EtcdClaims {
     }
 
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
-        if let Some((at, answer)) = self.controllers.lock().get(plugin_id) {
-            if at.elapsed() < CONTROLLER_CACHE_TTL {
+        let need_watch = {
+            let mut cache = self.controllers.lock();
+            let changed = match &cache.watcher {
+                None => true,
+                Some(w) => !matches!(w.recv_timeout(Duration::ZERO), Ok(None)),
+            };
+            if changed {
+                // Events (or an ended watch) drop the answers; the watch
+                // is made again from now on.
+                cache.answers.clear();
+                cache.watcher = None;
+            } else if let Some(answer) = cache.answers.get(plugin_id) {
                 return Ok(answer.clone());
+            }
+            cache.watcher.is_none()
+        };
+        if need_watch {
+            // Made outside the cache's lock (a round trip).
+            let prefix = format!("{}/plugins/", self.prefix());
+            let w = self
+                .client()
+                .watch(
+                    prefix.as_bytes(),
+                    crate::etcd::prefix_end(prefix.as_bytes()),
+                    0,
+                )
+                .ok();
+            let mut cache = self.controllers.lock();
+            if cache.watcher.is_none() {
+                cache.watcher = w;
             }
         }
         let r = self
@@ -457,9 +487,12 @@ impl RemoteControllers for EtcdClaims {
                 });
             }
         }
-        self.controllers
-            .lock()
-            .insert(plugin_id.to_string(), (Instant::now(), found.clone()));
+        let mut cache = self.controllers.lock();
+        // Kept only while the watch, made before the read, runs: a change
+        // after the read shows as an event.
+        if cache.watcher.is_some() {
+            cache.answers.insert(plugin_id.to_string(), found.clone());
+        }
         Ok(found)
     }
 

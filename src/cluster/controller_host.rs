@@ -35,6 +35,8 @@ use crate::volumes::requests::{self, VolumeRef};
 /// Longest pause between two scans of the requests when the watch says
 /// nothing (a lock that expired with its lease, a watch that broke).
 const SCAN_INTERVAL: Duration = Duration::from_secs(1);
+/// How often an agent that hosts no controller yet looks at its plugins.
+const ANNOUNCE_INTERVAL: Duration = Duration::from_millis(200);
 
 /// The controller host's loop, owned by the agent.
 pub struct ControllerHost {
@@ -96,9 +98,11 @@ impl Host {
         while !self.shutdown.is_triggered() {
             self.announce();
             if self.announced.is_empty() {
-                // Hosting no controller (yet): nothing to look at.
+                // Hosting no controller (yet): nothing to look at; looked
+                // at again soon, so a controller is announced as soon as
+                // its plugin is fingerprinted.
                 watcher = None;
-                if !self.shutdown.sleep(SCAN_INTERVAL) {
+                if !self.shutdown.sleep(ANNOUNCE_INTERVAL) {
                     break;
                 }
                 continue;
