@@ -155,8 +155,10 @@ impl Agent {
                     c.prefix,
                     c.endpoints.join(", ")
                 );
-                let etcd_claims =
-                    Arc::new(EtcdClaims::new(client.clone(), &c.prefix, store.clone()));
+                let etcd_claims = Arc::new(
+                    EtcdClaims::new(client.clone(), &c.prefix, store.clone())
+                        .with_node(&config.node_name),
+                );
                 let started_ms = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)

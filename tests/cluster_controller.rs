@@ -675,3 +675,118 @@ fn volume_detach_frees_a_dead_nodes_volume_and_refuses_a_live_one() {
         .expect_code(EXIT_FAILED);
     assert!(out.stderr.contains("cluster mode"), "{}", out.stderr);
 }
+
+/// Volume operations asked of a node whose plugin has no controller side
+/// go to a controller host through etcd (`controller-calls/`): create,
+/// snapshot create/list/delete, expand and delete are each performed by
+/// the host's plugin, the volume is registered cluster-wide, and no call
+/// is left behind in etcd. A plugin refusal comes back with its reason.
+#[test]
+fn volume_operations_from_a_node_only_agent_go_to_the_controller_host() {
+    let c = Cluster::start(vec![
+        host("h", &["b"]).plugin_args(&["--snapshots", "--expansion"]),
+        node_only("b"),
+    ]);
+    let (h, b) = (c.node("h"), c.node("b"));
+    let definition = json!({
+        "id": "db",
+        "plugin_id": PLUGIN_ID,
+        "access_modes": ["single-node-writer"],
+        "attachment_modes": ["file-system"],
+        "secrets": {"token": "t0ken"},
+        "capacity_range": {"required_bytes": 1_048_576},
+    });
+    let socket = b
+        .agent
+        .config
+        .api_socket
+        .to_str()
+        .expect("UTF-8")
+        .to_string();
+    let text = serde_json::to_vec(&definition).expect("encode");
+    let created = run_claimd(
+        &["volume", "create", "-", "--socket", &socket, "--json"],
+        Some(&text),
+        &[],
+        MOUNT_TIMEOUT,
+    )
+    .ok()
+    .json();
+    let external = created["created"][0]["external_id"]
+        .as_str()
+        .expect("an external ID")
+        .to_string();
+    // Registered for the whole cluster: h lists it too.
+    let listed = h.agent.cli(&["volume", "list", "--json"]).ok().json();
+    assert_eq!(listed["volumes"][0]["id"], "db", "{listed}");
+    assert_eq!(listed["volumes"][0]["external_id"], external.as_str());
+
+    let snap = b
+        .agent
+        .cli(&["volume", "snapshot", "create", "db", "s1", "--json"])
+        .ok()
+        .json();
+    let snap_id = snap["snapshot_id"]
+        .as_str()
+        .expect("a snapshot ID")
+        .to_string();
+    let listed = b
+        .agent
+        .cli(&["volume", "snapshot", "list", "db", "--json"])
+        .ok()
+        .json();
+    assert_eq!(listed["snapshots"][0]["snapshot_id"], snap_id.as_str());
+    let grown = b
+        .agent
+        .cli(&["volume", "expand", "db", "--size", "2097152", "--json"])
+        .ok()
+        .json();
+    assert_eq!(grown["capacity_bytes"], 2_097_152, "{grown}");
+    b.agent
+        .cli(&["volume", "snapshot", "delete", &snap_id])
+        .ok();
+    // A refusal of the host's plugin comes back with its reason (a size
+    // below the current one is refused before any call; an unknown
+    // snapshot is looked up through the host).
+    let out = b.agent.cli(&["volume", "snapshot", "delete", "snap-none"]);
+    assert_eq!(out.code, EXIT_FAILED, "{out:?}");
+    b.agent.cli(&["volume", "delete", "db"]).ok();
+
+    let methods: Vec<String> = volume_methods(&h.plugin.call_log())
+        .into_iter()
+        .filter(|m| m != "NodeGetVolumeStats")
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            "CreateVolume",
+            "CreateSnapshot",
+            "ListSnapshots",
+            "ControllerExpandVolume",
+            "ListSnapshots",
+            "DeleteSnapshot",
+            "ListSnapshots",
+            "DeleteVolume",
+        ],
+        "the host's plugin performed every operation"
+    );
+    let create = &h.plugin.call_log().calls_of("CreateVolume")[0];
+    assert_eq!(create["secret_keys"], json!(["token"]), "{create}");
+    assert!(
+        volume_methods(&b.plugin.call_log())
+            .iter()
+            .all(|m| m == "NodeGetVolumeStats"),
+        "b's plugin has no controller: {:?}",
+        volume_methods(&b.plugin.call_log())
+    );
+    assert!(
+        c.keys("controller-calls/").is_empty(),
+        "{:?}",
+        c.keys("controller-calls/")
+    );
+    assert!(
+        h.agent.cli(&["volume", "list", "--json"]).ok().json()["volumes"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    );
+}

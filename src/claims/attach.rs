@@ -97,6 +97,12 @@ pub struct ControllerHostRecord {
     pub publish_readonly: bool,
     pub ready: bool,
     pub updated_at_ms: u64,
+    /// Everything the controller offers, for volume operations forwarded
+    /// to it.
+    #[serde(default)]
+    pub controller_capabilities: crate::csi::ControllerCapabilities,
+    #[serde(default)]
+    pub plugin_capabilities: crate::csi::PluginCapabilities,
 }
 
 /// The cluster's controller of a plugin, as a requesting node sees it.
@@ -128,6 +134,8 @@ pub enum AttachError {
         host: String,
         error: String,
         retryable: bool,
+        /// The gRPC status code the plugin answered (0: none).
+        code: i32,
     },
     /// No controller host answered in time.
     NoAnswer { waited: Duration, hosts: String },
@@ -186,6 +194,17 @@ pub trait RemoteControllers: Send + Sync {
     ) -> Result<(), AttachError>;
     /// Every registered controller host with whether its node is alive.
     fn hosts(&self) -> Result<Vec<(ControllerHostRecord, bool)>, ClaimError>;
+    /// Forwards one controller call (`method`, the request's protobuf
+    /// bytes) to a host of `plugin_id` and waits up to `wait` for the
+    /// reply's bytes.
+    fn forward(
+        &self,
+        plugin_id: &str,
+        method: &str,
+        request: &[u8],
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<Vec<u8>, AttachError>;
     /// See `EtcdClaims::release_node_volume`.
     fn release_node_volume(
         &self,
@@ -396,6 +415,7 @@ fn failed(rec: &AttachmentRecord) -> AttachError {
         host: rec.handled_by.clone().unwrap_or_default(),
         error: rec.error.clone().unwrap_or_default(),
         retryable: rec.retryable,
+        code: 0,
     }
 }
 
@@ -435,6 +455,17 @@ impl RemoteControllers for EtcdClaims {
         shutdown: &Shutdown,
     ) -> Result<NodeDetach, AttachError> {
         EtcdClaims::release_node_volume(self, volume_id, node, reason, by, wait, shutdown)
+    }
+
+    fn forward(
+        &self,
+        plugin_id: &str,
+        method: &str,
+        request: &[u8],
+        wait: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<Vec<u8>, AttachError> {
+        super::controller_calls::forward(self, plugin_id, method, request, wait, shutdown)
     }
 
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
@@ -522,6 +553,7 @@ impl RemoteControllers for EtcdClaims {
                 host: String::new(),
                 error: "the attach request was withdrawn while it waited".to_string(),
                 retryable: true,
+                code: 0,
             })),
         })
     }
@@ -544,6 +576,7 @@ impl RemoteControllers for EtcdClaims {
                 host: String::new(),
                 error: "an attach was asked for again while the detach waited".to_string(),
                 retryable: true,
+                code: 0,
             })),
         })
     }

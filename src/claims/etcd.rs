@@ -67,6 +67,8 @@ pub struct EtcdClaims {
     known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
     /// Which plugins have a controller host, as last read, and when.
     pub(super) controllers: super::attach::ControllerCache,
+    /// This node's name (requests it forwards name it).
+    node: String,
 }
 
 impl EtcdClaims {
@@ -77,7 +79,18 @@ impl EtcdClaims {
             state,
             known: Arc::new(Mutex::new(HashMap::new())),
             controllers: Default::default(),
+            node: String::new(),
         }
+    }
+
+    /// Names this node in the requests it forwards to controller hosts.
+    pub fn with_node(mut self, node: &str) -> EtcdClaims {
+        self.node = node.to_string();
+        self
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.node
     }
 
     /// Without a trailing slash.
@@ -221,6 +234,7 @@ impl EtcdClaims {
             state: self.state.clone(),
             known: self.known.clone(),
             controllers: self.controllers.clone(),
+            node: self.node.clone(),
         }
     }
 

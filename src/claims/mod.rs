@@ -19,6 +19,7 @@ use crate::state::{StateError, StateFile};
 use crate::volumes::{AccessMode, VolumeSpec};
 
 pub mod attach;
+pub mod controller_calls;
 mod embedded;
 pub mod etcd;
 mod rules;

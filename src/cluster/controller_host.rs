@@ -25,6 +25,7 @@ use super::liveness::NodeLiveness;
 use crate::claims::attach::{
     now_ms, parse_attachment, AttachState, AttachmentRecord, ControllerHostRecord, Want,
 };
+use crate::claims::controller_calls::{from_hex, parse_call, to_hex};
 use crate::claims::{ClaimError, EtcdClaims, SharedVolumes};
 use crate::etcd::{prefix_end, Compare, CompareOp, KeyValue, LeaseId, TxnOp, Watcher};
 use crate::plugins::{PluginKind, PluginSnapshot, Registry};
@@ -94,14 +95,14 @@ struct Host {
 
 impl Host {
     fn run(mut self) {
-        let mut watcher: Option<Watcher> = None;
+        let mut watchers: Vec<Watcher> = Vec::new();
         while !self.shutdown.is_triggered() {
             self.announce();
             if self.announced.is_empty() {
                 // Hosting no controller (yet): nothing to look at; looked
                 // at again soon, so a controller is announced as soon as
                 // its plugin is fingerprinted.
-                watcher = None;
+                watchers.clear();
                 if !self.shutdown.sleep(ANNOUNCE_INTERVAL) {
                     break;
                 }
@@ -113,29 +114,46 @@ impl Host {
                 }
             }
             self.workers.reap();
-            if watcher.is_none() {
-                let prefix = format!("{}/attachment", self.claims.prefix());
-                watcher = self
-                    .claims
-                    .client()
-                    .watch(prefix.as_bytes(), prefix_end(prefix.as_bytes()), 0)
-                    .ok();
+            if watchers.len() < 2 {
+                // Requests and their locks (`attachment…`), forwarded calls
+                // and theirs (`controller-call…`).
+                watchers = ["attachment", "controller-call"]
+                    .iter()
+                    .filter_map(|p| {
+                        let prefix = format!("{}/{p}", self.claims.prefix());
+                        self.claims
+                            .client()
+                            .watch(prefix.as_bytes(), prefix_end(prefix.as_bytes()), 0)
+                            .ok()
+                    })
+                    .collect();
             }
-            match &watcher {
-                Some(w) => match w.recv_timeout(SCAN_INTERVAL) {
-                    // Something changed: drain what came with it, then scan.
-                    Ok(Some(_)) => while let Ok(Some(_)) = w.recv_timeout(Duration::ZERO) {},
-                    Ok(None) => {}
-                    Err(_) => watcher = None,
-                },
-                None => {
-                    if !self.shutdown.sleep(SCAN_INTERVAL) {
-                        break;
+            if watchers.len() < 2 {
+                watchers.clear();
+                if !self.shutdown.sleep(SCAN_INTERVAL) {
+                    break;
+                }
+                continue;
+            }
+            let mut select = crossbeam_channel::Select::new();
+            for w in &watchers {
+                select.recv(w.receiver());
+            }
+            if select.ready_timeout(SCAN_INTERVAL).is_ok() {
+                // Something changed (or a watch ended): drain, then scan.
+                let ended = watchers.iter().any(|w| loop {
+                    match w.recv_timeout(Duration::ZERO) {
+                        Ok(Some(_)) => {}
+                        Ok(None) => break false,
+                        Err(_) => break true,
                     }
+                });
+                if ended {
+                    watchers.clear();
                 }
             }
         }
-        drop(watcher);
+        drop(watchers);
         let deadline = Instant::now() + crate::config::DEFAULT_CSI_CALL_TIMEOUT;
         let left = std::mem::take(&mut self.workers).join_until(deadline);
         if !left.is_empty() {
@@ -161,6 +179,8 @@ impl Host {
                 publish_readonly: caps.is_some_and(|c| c.publish_readonly),
                 ready: p.health == crate::plugins::Health::Ready,
                 updated_at_ms: 0,
+                controller_capabilities: p.controller_capabilities.clone().unwrap_or_default(),
+                plugin_capabilities: p.plugin_capabilities.clone().unwrap_or_default(),
             };
             if self.announced.get(&p.id) == Some(&rec) {
                 continue;
@@ -243,6 +263,62 @@ impl Host {
                     busy.lock().remove(&work.key);
                 },
             );
+            if let Err(e) = spawned {
+                log::warn!("controller host: cannot start a worker for {key}: {e}");
+                self.busy.lock().remove(&key);
+            }
+        }
+        self.scan_calls(lease)
+    }
+
+    /// Takes every pending forwarded call of a plugin this node hosts.
+    fn scan_calls(&mut self, lease: LeaseId) -> Result<(), ClaimError> {
+        let r = self
+            .claims
+            .client()
+            .range_prefix(self.claims.controller_calls_prefix())
+            .map_err(crate::claims::etcd::unavailable)?;
+        for kv in &r.kvs {
+            let key = kv.key_str().into_owned();
+            let rec = match parse_call(kv) {
+                Ok(r) => r,
+                Err(e) => {
+                    log::warn!("controller host: {e} (left untouched)");
+                    continue;
+                }
+            };
+            if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
+                continue;
+            }
+            let Some(controller) = self
+                .registry
+                .get_ready(&rec.plugin_id, PluginKind::Controller)
+            else {
+                continue;
+            };
+            let lock = LockKey {
+                key: self.claims.controller_call_lock_key(&key),
+                value: serde_json::json!({"host": self.node, "lease": lease.to_string()})
+                    .to_string(),
+            };
+            if !matches!(self.take_lock(&lock, lease), Ok(true)) {
+                continue;
+            }
+            self.busy.lock().insert(key.clone());
+            let work = Work {
+                claims: self.claims.clone(),
+                node: self.node.clone(),
+                key: key.clone(),
+                lock,
+                controller,
+            };
+            let busy = self.busy.clone();
+            let spawned = self
+                .workers
+                .spawn(format!("call-{}", rec.plugin_id), move || {
+                    work.perform_call();
+                    busy.lock().remove(&work.key);
+                });
             if let Err(e) = spawned {
                 log::warn!("controller host: cannot start a worker for {key}: {e}");
                 self.busy.lock().remove(&key);
@@ -439,6 +515,95 @@ impl Work {
                 }
             }
         }
+    }
+
+    fn perform_call(&self) {
+        if let Err(e) = self.try_perform_call() {
+            log::warn!("controller host: {}: {e}", self.key);
+            self.unlock();
+        }
+    }
+
+    fn try_perform_call(&self) -> Result<(), ClaimError> {
+        let client = self.claims.client();
+        let unavailable = crate::claims::etcd::unavailable;
+        let Some(kv) = client.get(&self.key).map_err(unavailable)? else {
+            self.unlock();
+            return Ok(());
+        };
+        let mut rec = parse_call(&kv)?;
+        if rec.state != AttachState::Pending {
+            self.unlock();
+            return Ok(());
+        }
+        let invalid = |why: String| (why, grpcio::RpcStatusCode::INVALID_ARGUMENT, false);
+        let result = match (
+            crate::csi::forwarded_method(&rec.method),
+            from_hex(&rec.request_hex),
+        ) {
+            (None, _) => Err(invalid(format!("{} is not a forwarded method", rec.method))),
+            (_, None) => Err(invalid("the request is not hex".to_string())),
+            (Some(m), Some(bytes)) => self
+                .controller
+                .client
+                .forward_controller_call(m, &bytes)
+                .map_err(|e| {
+                    (
+                        crate::error_chain(&e),
+                        e.code().unwrap_or(grpcio::RpcStatusCode::UNKNOWN),
+                        e.is_retryable(),
+                    )
+                }),
+        };
+        rec.handled_by = Some(self.node.clone());
+        rec.updated_at_ms = now_ms();
+        match result {
+            Ok(reply) => {
+                log::info!(
+                    "controller host: {} of plugin {} for node {} done",
+                    rec.method,
+                    rec.plugin_id,
+                    rec.requested_by
+                );
+                rec.state = AttachState::Done;
+                rec.response_hex = to_hex(&reply);
+            }
+            Err((error, code, retryable)) => {
+                log::warn!(
+                    "controller host: {} of plugin {} for node {} failed: {error}",
+                    rec.method,
+                    rec.plugin_id,
+                    rec.requested_by
+                );
+                rec.state = AttachState::Failed;
+                rec.error = Some(error);
+                rec.code = code.into();
+                rec.retryable = retryable;
+            }
+        }
+        let value = serde_json::to_vec(&rec).expect("a call always encodes");
+        let t = client
+            .txn(
+                &[
+                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, kv.mod_revision),
+                    Compare::value(
+                        self.lock.key.clone(),
+                        CompareOp::Equal,
+                        self.lock.value.clone(),
+                    ),
+                ],
+                &[
+                    TxnOp::put(self.key.clone(), value),
+                    TxnOp::delete(self.lock.key.clone()),
+                ],
+                &[],
+            )
+            .map_err(unavailable)?;
+        if !t.succeeded {
+            // Withdrawn by the requester meanwhile (it gave up waiting).
+            self.unlock();
+        }
+        Ok(())
     }
 
     /// Lets go of the lock (only this host's: compared by value).

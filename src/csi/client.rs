@@ -323,7 +323,8 @@ impl std::error::Error for CsiError {
 }
 
 /// What GetPluginCapabilities said, with unknown values ignored.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct PluginCapabilities {
     pub controller_service: bool,
     pub accessibility_constraints: bool,
@@ -344,7 +345,8 @@ pub struct NodeCapabilities {
 }
 
 /// What ControllerGetCapabilities said, with unknown values ignored.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct ControllerCapabilities {
     pub create_delete_volume: bool,
     pub publish_unpublish_volume: bool,

@@ -31,7 +31,7 @@ pub struct ControllerExpansion {
     pub node_expansion_required: bool,
 }
 
-fn snapshot_info(s: &Snapshot) -> SnapshotInfo {
+pub fn snapshot_info(s: &Snapshot) -> SnapshotInfo {
     SnapshotInfo {
         snapshot_id: s.snapshot_id.clone(),
         source_volume_id: s.source_volume_id.clone(),
@@ -45,7 +45,94 @@ fn snapshot_info(s: &Snapshot) -> SnapshotInfo {
     }
 }
 
+/// The controller calls an agent makes for another node (cluster mode:
+/// volume operations of a plugin whose controller side runs elsewhere),
+/// named as on the wire.
+pub const FORWARDED_METHODS: [CsiMethod; 6] = [
+    CsiMethod::CreateVolume,
+    CsiMethod::DeleteVolume,
+    CsiMethod::CreateSnapshot,
+    CsiMethod::DeleteSnapshot,
+    CsiMethod::ListSnapshots,
+    CsiMethod::ControllerExpandVolume,
+];
+
+/// A forwarded method by its wire name.
+pub fn forwarded_method(name: &str) -> Option<CsiMethod> {
+    FORWARDED_METHODS.iter().copied().find(|m| m.name() == name)
+}
+
 impl CsiClient {
+    /// One controller call made for another node: the request and the
+    /// reply as protobuf bytes (one page of ListSnapshots). A request that
+    /// does not decode is INVALID_ARGUMENT, sent nowhere.
+    pub fn forward_controller_call(
+        &self,
+        method: CsiMethod,
+        request: &[u8],
+    ) -> Result<Vec<u8>, CsiError> {
+        use protobuf::Message;
+        fn parse<M: Message>(method: CsiMethod, b: &[u8]) -> Result<M, CsiError> {
+            M::parse_from_bytes(b).map_err(|e| CsiError::Status {
+                method,
+                code: grpcio::RpcStatusCode::INVALID_ARGUMENT,
+                message: format!("the forwarded request does not decode: {e}"),
+            })
+        }
+        let m = method;
+        let bytes = match method {
+            CsiMethod::CreateVolume => {
+                let req: CreateVolumeRequest = parse(m, request)?;
+                self.call(m, &req.name, |o| self.controller.create_volume(&req, o))?
+                    .write_to_bytes()
+            }
+            CsiMethod::DeleteVolume => {
+                let req: DeleteVolumeRequest = parse(m, request)?;
+                self.call(m, &req.volume_id, |o| {
+                    self.controller.delete_volume(&req, o)
+                })?
+                .write_to_bytes()
+            }
+            CsiMethod::CreateSnapshot => {
+                let req: CreateSnapshotRequest = parse(m, request)?;
+                self.call(m, &req.source_volume_id, |o| {
+                    self.controller.create_snapshot(&req, o)
+                })?
+                .write_to_bytes()
+            }
+            CsiMethod::DeleteSnapshot => {
+                let req: DeleteSnapshotRequest = parse(m, request)?;
+                self.call(m, "", |o| self.controller.delete_snapshot(&req, o))?
+                    .write_to_bytes()
+            }
+            CsiMethod::ListSnapshots => {
+                let req: ListSnapshotsRequest = parse(m, request)?;
+                self.call(m, &req.source_volume_id, |o| {
+                    self.controller.list_snapshots(&req, o)
+                })?
+                .write_to_bytes()
+            }
+            CsiMethod::ControllerExpandVolume => {
+                let req: ControllerExpandVolumeRequest = parse(m, request)?;
+                self.call(m, &req.volume_id, |o| {
+                    self.controller.controller_expand_volume(&req, o)
+                })?
+                .write_to_bytes()
+            }
+            other => {
+                return Err(CsiError::Status {
+                    method: other,
+                    code: grpcio::RpcStatusCode::UNIMPLEMENTED,
+                    message: format!("{} is not forwarded to a controller host", other.name()),
+                })
+            }
+        };
+        bytes.map_err(|e| CsiError::Status {
+            method: m,
+            code: grpcio::RpcStatusCode::INTERNAL,
+            message: format!("the reply does not encode: {e}"),
+        })
+    }
     pub fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
         let m = CsiMethod::CreateVolume;
         let r = self.call(m, &req.name, |o| self.controller.create_volume(req, o))?;

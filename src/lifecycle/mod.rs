@@ -13,6 +13,7 @@
 //! it does), `core` (what they share), `progress` (in-memory progress),
 //! `status` (what `alloc status` shows), `error`.
 
+mod controller_ops;
 mod core;
 mod down;
 mod error;

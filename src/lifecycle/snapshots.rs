@@ -6,11 +6,12 @@
 
 use std::collections::BTreeMap;
 
+use super::controller_ops::Controller;
 use super::core::Core;
 use super::error::VolumeOpError;
 use super::volume_ops::{controller, registered};
 use crate::csi::{self, SnapshotInfo};
-use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::plugins::PluginKind;
 use crate::volumes::VolumeSpec;
 
 /// A snapshot as `snapshot list` shows it.
@@ -91,10 +92,7 @@ pub fn create(
         parameters: parameters.clone().into_iter().collect(),
         ..Default::default()
     };
-    let info = c
-        .client
-        .create_snapshot(&req)
-        .map_err(csi_error(&operation))?;
+    let info = c.create_snapshot(&req).map_err(csi_error(&operation))?;
     log::info!(
         "snapshot {} ({name}) of volume {volume_id} created",
         info.snapshot_id
@@ -106,19 +104,37 @@ pub fn create(
     })
 }
 
-/// Every ready controller plugin that lists snapshots, by plugin ID.
-fn listing_plugins(core: &Core) -> Vec<PluginSnapshot> {
+/// Every controller that lists snapshots, by plugin ID: this node's ready
+/// ones, and in cluster mode the other plugins' hosts elsewhere.
+fn listing_plugins(core: &Core) -> Result<Vec<Controller>, VolumeOpError> {
     let mut ids: Vec<String> = core.registry.list().into_iter().map(|p| p.id).collect();
     ids.sort();
     ids.dedup();
-    ids.iter()
+    let mut out: Vec<Controller> = ids
+        .iter()
         .filter_map(|id| core.registry.get_ready(id, PluginKind::Controller))
-        .filter(|c| {
-            c.controller_capabilities
-                .as_ref()
-                .is_some_and(|caps| caps.list_snapshots)
-        })
-        .collect()
+        .map(|c| Controller::Local(Box::new(c)))
+        .collect();
+    if let Some(r) = core.claims.remote_controllers() {
+        let hosts = r.hosts().map_err(|e| {
+            VolumeOpError::Request(format!(
+                "the cluster's controller hosts cannot be read: {e}"
+            ))
+        })?;
+        let mut remote_ids: Vec<String> = hosts.into_iter().map(|(h, _)| h.plugin_id).collect();
+        remote_ids.sort();
+        remote_ids.dedup();
+        for id in remote_ids {
+            if out.iter().any(|c| c.id() == id) {
+                continue;
+            }
+            if let Ok(Some(c)) = super::controller_ops::remote(core, &id) {
+                out.push(c);
+            }
+        }
+    }
+    out.retain(|c| c.caps().list_snapshots);
+    Ok(out)
 }
 
 /// The snapshots of one registered volume, or of every ready plugin that
@@ -127,13 +143,12 @@ pub fn list(core: &Core, volume_id: Option<&str>) -> Result<Vec<SnapshotView>, V
     let all = specs(core);
     let Some(volume_id) = volume_id else {
         let mut out = Vec::new();
-        for c in listing_plugins(core) {
-            let operation = format!("list the snapshots of plugin {}", c.id);
+        for c in listing_plugins(core)? {
+            let operation = format!("list the snapshots of plugin {}", c.id());
             let found = c
-                .client
                 .list_snapshots(&csi::ListSnapshotsRequest::default())
                 .map_err(csi_error(&operation))?;
-            out.extend(found.into_iter().map(|i| view(&all, &c.id, i)));
+            out.extend(found.into_iter().map(|i| view(&all, c.id(), i)));
         }
         return Ok(out);
     };
@@ -153,10 +168,7 @@ pub fn list(core: &Core, volume_id: Option<&str>) -> Result<Vec<SnapshotView>, V
         secrets: spec.secrets.clone().into_iter().collect(),
         ..Default::default()
     };
-    let found = c
-        .client
-        .list_snapshots(&req)
-        .map_err(csi_error(&operation))?;
+    let found = c.list_snapshots(&req).map_err(csi_error(&operation))?;
     Ok(found
         .into_iter()
         .map(|i| view(&all, &spec.plugin_id, i))
@@ -178,15 +190,12 @@ pub fn delete(
     let unknown = || VolumeOpError::UnknownSnapshot {
         snapshot_id: snapshot_id.to_string(),
     };
-    let lookup = |c: &PluginSnapshot| -> Result<Option<SnapshotInfo>, VolumeOpError> {
+    let lookup = |c: &Controller| -> Result<Option<SnapshotInfo>, VolumeOpError> {
         let req = csi::ListSnapshotsRequest {
             snapshot_id: snapshot_id.to_string(),
             ..Default::default()
         };
-        let found = c
-            .client
-            .list_snapshots(&req)
-            .map_err(csi_error(&operation))?;
+        let found = c.list_snapshots(&req).map_err(csi_error(&operation))?;
         Ok(found.into_iter().find(|s| s.snapshot_id == snapshot_id))
     };
     let (c, info) = match plugin_id {
@@ -198,10 +207,7 @@ pub fn delete(
                 |c| c.create_delete_snapshot,
                 &operation,
             )?;
-            let lists = c
-                .controller_capabilities
-                .as_ref()
-                .is_some_and(|x| x.list_snapshots);
+            let lists = c.caps().list_snapshots;
             let info = if lists {
                 Some(lookup(&c)?.ok_or_else(unknown)?)
             } else {
@@ -211,7 +217,7 @@ pub fn delete(
         }
         None => {
             let mut hit = None;
-            for c in listing_plugins(core) {
+            for c in listing_plugins(core)? {
                 if let Some(info) = lookup(&c)? {
                     hit = Some((c, Some(info)));
                     break;
@@ -220,13 +226,10 @@ pub fn delete(
             hit.ok_or_else(unknown)?
         }
     };
-    let deletes = c
-        .controller_capabilities
-        .as_ref()
-        .is_some_and(|x| x.create_delete_snapshot);
+    let deletes = c.caps().create_delete_snapshot;
     if !deletes {
         return Err(VolumeOpError::Unsupported {
-            plugin_id: c.id.clone(),
+            plugin_id: c.id().to_string(),
             capability: "CREATE_DELETE_SNAPSHOT",
             operation,
         });
@@ -234,7 +237,7 @@ pub fn delete(
     let all = specs(core);
     let secrets = info
         .as_ref()
-        .and_then(|i| source_spec(&all, &c.id, &i.source_volume_id))
+        .and_then(|i| source_spec(&all, c.id(), &i.source_volume_id))
         .map(|s| s.secrets.clone())
         .unwrap_or_default();
     let req = csi::DeleteSnapshotRequest {
@@ -242,10 +245,10 @@ pub fn delete(
         secrets: secrets.into_iter().collect(),
         ..Default::default()
     };
-    match c.client.delete_snapshot(&req) {
+    match c.delete_snapshot(&req) {
         Err(e) if !e.is_ignorable() => return Err(csi_error(&operation)(e)),
         _ => {}
     }
-    log::info!("snapshot {snapshot_id} of plugin {} deleted", c.id);
-    Ok(c.id)
+    log::info!("snapshot {snapshot_id} of plugin {} deleted", c.id());
+    Ok(c.id().to_string())
 }

@@ -5,16 +5,17 @@
 //! volume mounted, online). Each runs under the volume's operation lock, so
 //! it never overlaps a mount or a release step of the same volume.
 //!
-//! In cluster mode these calls still go to this agent's own controller
-//! plugin; sending them to the agent that hosts it is a later step.
+//! In cluster mode, on a node without the plugin's controller side, these
+//! calls go to a controller host elsewhere (`controller_ops`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::controller_ops::Controller;
 use super::core::Core;
 use super::error::VolumeOpError;
 use crate::csi::{self, ControllerCapabilities, CsiError};
-use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::plugins::PluginKind;
 use crate::state::Phase;
 use crate::volumes::requests::{path_string, volume_capability};
 use crate::volumes::{ContentSource, Usage, VolumeCreate, VolumeSpec};
@@ -38,33 +39,42 @@ fn registered_or_unknown(core: &Core, id: &str) -> Result<VolumeSpec, VolumeOpEr
 }
 
 /// The plugin's controller, ready (waited for up to the plugin wait), when
-/// it offers `capability` (named as in the CSI spec).
+/// it offers `capability` (named as in the CSI spec): this node's own, or
+/// in cluster mode, when this node has no controller side of the plugin, a
+/// host of the plugin elsewhere (the calls forwarded through etcd).
 pub fn controller(
     core: &Core,
     plugin_id: &str,
     capability: &'static str,
     has: fn(&ControllerCapabilities) -> bool,
     operation: &str,
-) -> Result<PluginSnapshot, VolumeOpError> {
+) -> Result<Controller, VolumeOpError> {
     let reg = &core.registry;
-    if !reg.knows(plugin_id) {
-        return Err(VolumeOpError::UnknownPlugin {
-            plugin_id: plugin_id.to_string(),
-        });
-    }
     let unsupported = |capability| VolumeOpError::Unsupported {
         plugin_id: plugin_id.to_string(),
         capability,
         operation: operation.to_string(),
     };
-    if reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
-        return Err(unsupported("CONTROLLER_SERVICE"));
+    if !reg.knows(plugin_id) || reg.serves(plugin_id, PluginKind::Controller) == Some(false) {
+        let remote = super::controller_ops::remote(core, plugin_id).map_err(|e| {
+            VolumeOpError::Request(format!(
+                "the cluster's controller hosts of plugin {plugin_id} cannot be read: {e}"
+            ))
+        })?;
+        return match remote {
+            Some(c) if has(&c.caps()) => Ok(c),
+            Some(_) => Err(unsupported(capability)),
+            None if !reg.knows(plugin_id) => Err(VolumeOpError::UnknownPlugin {
+                plugin_id: plugin_id.to_string(),
+            }),
+            None => Err(unsupported("CONTROLLER_SERVICE")),
+        };
     }
     let c = reg
         .wait_for_plugin(plugin_id, PluginKind::Controller, core.opts.plugin_wait)
         .map_err(VolumeOpError::Plugin)?;
     if c.controller_capabilities.as_ref().is_some_and(has) {
-        Ok(c)
+        Ok(Controller::Local(Box::new(c)))
     } else {
         Err(unsupported(capability))
     }
@@ -101,7 +111,7 @@ pub fn create(core: &Core, req: &VolumeCreate) -> Result<VolumeSpec, VolumeOpErr
         |c| c.create_delete_volume,
         &operation,
     )?;
-    let caps = c.controller_capabilities.clone().unwrap_or_default();
+    let caps = c.caps();
     let unsupported = |capability| VolumeOpError::Unsupported {
         plugin_id: req.plugin_id.clone(),
         capability,
@@ -126,15 +136,11 @@ pub fn create(core: &Core, req: &VolumeCreate) -> Result<VolumeSpec, VolumeOpErr
         }
         _ => None,
     };
-    let constraints = c
-        .plugin_capabilities
-        .as_ref()
-        .is_some_and(|p| p.accessibility_constraints);
+    let constraints = c.plugin_caps().accessibility_constraints;
     if !req.accessibility_requirements.is_empty() && !constraints {
         return Err(unsupported("VOLUME_ACCESSIBILITY_CONSTRAINTS"));
     }
     let volume = c
-        .client
         .create_volume(&req.csi_request(source_external.as_deref()))
         .map_err(csi_error(&operation))?;
     let spec = req.answered(&volume);
@@ -184,7 +190,7 @@ pub fn delete(
         secrets: spec.secrets.clone().into_iter().collect(),
         ..Default::default()
     };
-    match c.client.delete_volume(&req) {
+    match c.delete_volume(&req) {
         // NOT_FOUND: deleted already.
         Err(e) if !e.is_ignorable() => return Err(csi_error(&operation)(e)),
         _ => {}
@@ -238,7 +244,7 @@ pub fn expand(core: &Core, id: &str, size: i64) -> Result<Expansion, VolumeOpErr
             .map(|(a, v)| (a.id.clone(), v.clone()))
             .collect()
     });
-    let plugin_caps = c.plugin_capabilities.clone().unwrap_or_default();
+    let plugin_caps = c.plugin_caps();
     if let Some((alloc, _)) = published.first() {
         if plugin_caps.offline_expansion && !plugin_caps.online_expansion {
             return Err(VolumeOpError::Request(format!(
@@ -269,7 +275,6 @@ pub fn expand(core: &Core, id: &str, size: i64) -> Result<Expansion, VolumeOpErr
         ..Default::default()
     };
     let answer = c
-        .client
         .controller_expand_volume(&req)
         .map_err(csi_error(&operation))?;
     let capacity = if answer.capacity_bytes > 0 {

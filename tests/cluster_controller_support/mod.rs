@@ -83,6 +83,8 @@ pub struct NodeSpec {
     pub cluster: Vec<(String, Value)>,
     /// The agent's `csi_call_timeout`, when not the harness's default.
     pub csi_call_timeout: Option<String>,
+    /// More flags for the node's test plugin.
+    pub plugin_args: Vec<String>,
 }
 
 /// A node whose plugin serves the controller side for itself and for
@@ -94,6 +96,7 @@ pub fn host(name: &str, others: &[&str]) -> NodeSpec {
         proxied: false,
         cluster: Vec::new(),
         csi_call_timeout: None,
+        plugin_args: Vec::new(),
     }
 }
 
@@ -106,12 +109,18 @@ pub fn node_only(name: &str) -> NodeSpec {
         proxied: false,
         cluster: Vec::new(),
         csi_call_timeout: None,
+        plugin_args: Vec::new(),
     }
 }
 
 impl NodeSpec {
     pub fn proxied(mut self) -> NodeSpec {
         self.proxied = true;
+        self
+    }
+
+    pub fn plugin_args(mut self, args: &[&str]) -> NodeSpec {
+        self.plugin_args = args.iter().map(|a| a.to_string()).collect();
         self
     }
 
@@ -145,7 +154,10 @@ impl Node {
     /// The plugin, started; the agent, configured (not started).
     pub fn prepare(dir: &Path, spec: NodeSpec, etcd: &Etcd) -> Node {
         let ndir = dir.join(&spec.name);
-        let builder = TestPlugin::builder(&ndir).node_id(&ext(&spec.name));
+        let extra: Vec<&str> = spec.plugin_args.iter().map(String::as_str).collect();
+        let builder = TestPlugin::builder(&ndir)
+            .node_id(&ext(&spec.name))
+            .args(&extra);
         let plugin = match &spec.controller_for {
             Some(others) => {
                 let others: Vec<&str> = others.iter().map(String::as_str).collect();

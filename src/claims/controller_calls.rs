@@ -1,0 +1,179 @@
+//! Volume operations forwarded to a controller host (cluster mode): an
+//! agent whose own plugin has no controller side writes the CSI request
+//! (protobuf bytes, hex) under `<prefix>/controller-calls/<plugin>/<id>`;
+//! a host of the plugin (`cluster::controller_host`) performs it with its
+//! own plugin and writes the reply (or the gRPC status) back; the requester
+//! reads it and deletes the request. The same pattern as attachments, one
+//! host per call (a lock on its lease), so CreateVolume, DeleteVolume,
+//! the snapshot calls and ControllerExpandVolume work from any node.
+//! Requests carry the volume's secrets, like the registrations in etcd.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::attach::{now_ms, AttachError, AttachState};
+use super::etcd::{unavailable, EtcdClaims};
+use super::ClaimError;
+use crate::etcd::{Compare, KeyValue, TxnOp};
+use crate::shutdown::Shutdown;
+
+/// The first and the longest pause between two reads of a waiting call.
+const POLL_MIN: Duration = Duration::from_millis(20);
+const POLL_MAX: Duration = Duration::from_millis(500);
+
+static NEXT_CALL: AtomicU64 = AtomicU64::new(0);
+
+/// `<prefix>/controller-calls/<plugin>/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControllerCallRecord {
+    pub plugin_id: String,
+    /// The CSI method as on the wire (`CreateVolume`, …).
+    pub method: String,
+    /// The request's protobuf bytes, in hex.
+    pub request_hex: String,
+    pub requested_by: String,
+    pub state: AttachState,
+    /// The reply's protobuf bytes, in hex (state done).
+    #[serde(default)]
+    pub response_hex: String,
+    #[serde(default)]
+    pub error: Option<String>,
+    /// The gRPC status code of a failed call.
+    #[serde(default)]
+    pub code: i32,
+    #[serde(default)]
+    pub retryable: bool,
+    #[serde(default)]
+    pub handled_by: Option<String>,
+    pub requested_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+pub fn parse_call(kv: &KeyValue) -> Result<ControllerCallRecord, ClaimError> {
+    serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
+        key: kv.key_str().into_owned(),
+        reason: e.to_string(),
+    })
+}
+
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+impl EtcdClaims {
+    pub fn controller_calls_prefix(&self) -> String {
+        format!("{}/controller-calls/", self.prefix())
+    }
+
+    pub fn controller_call_lock_key(&self, call_key: &str) -> String {
+        let id = call_key
+            .strip_prefix(&self.controller_calls_prefix())
+            .unwrap_or(call_key);
+        format!("{}/controller-call-locks/{id}", self.prefix())
+    }
+}
+
+/// Writes the call, waits for its reply up to `wait`, deletes it.
+pub(super) fn forward(
+    claims: &EtcdClaims,
+    plugin_id: &str,
+    method: &str,
+    request: &[u8],
+    wait: Duration,
+    shutdown: &Shutdown,
+) -> Result<Vec<u8>, AttachError> {
+    let store = |e| AttachError::Store(unavailable(e));
+    let node = claims.node_name();
+    let key = format!(
+        "{}{plugin_id}/{node}-{}-{}",
+        claims.controller_calls_prefix(),
+        now_ms(),
+        NEXT_CALL.fetch_add(1, Ordering::Relaxed)
+    );
+    let now = now_ms();
+    let rec = ControllerCallRecord {
+        plugin_id: plugin_id.to_string(),
+        method: method.to_string(),
+        request_hex: to_hex(request),
+        requested_by: node.to_string(),
+        state: AttachState::Pending,
+        response_hex: String::new(),
+        error: None,
+        code: 0,
+        retryable: false,
+        handled_by: None,
+        requested_at_ms: now,
+        updated_at_ms: now,
+    };
+    let value = serde_json::to_vec(&rec).expect("a call always encodes");
+    claims
+        .client()
+        .txn(
+            &[Compare::absent(key.clone())],
+            &[TxnOp::put(key.clone(), value)],
+            &[],
+        )
+        .map_err(store)?;
+    let started = Instant::now();
+    let mut pause = POLL_MIN;
+    let answer = loop {
+        let kv = claims.client().get(&key).map_err(store)?;
+        let Some(kv) = kv else {
+            break Err(AttachError::Failed {
+                host: String::new(),
+                error: format!("the forwarded {method} call was deleted before it was answered"),
+                retryable: true,
+                code: 0,
+            });
+        };
+        let rec = parse_call(&kv).map_err(AttachError::Store)?;
+        match rec.state {
+            AttachState::Done => {
+                break from_hex(&rec.response_hex).ok_or_else(|| AttachError::Failed {
+                    host: rec.handled_by.clone().unwrap_or_default(),
+                    error: "the forwarded reply is not hex".to_string(),
+                    retryable: false,
+                    code: 13,
+                })
+            }
+            AttachState::Failed => {
+                break Err(AttachError::Failed {
+                    host: rec.handled_by.clone().unwrap_or_default(),
+                    error: rec.error.clone().unwrap_or_default(),
+                    retryable: rec.retryable,
+                    code: rec.code,
+                })
+            }
+            AttachState::Pending => {}
+        }
+        if started.elapsed() >= wait {
+            break Err(AttachError::NoAnswer {
+                waited: started.elapsed(),
+                hosts: format!("of plugin {plugin_id}: see `claimd plugin list`"),
+            });
+        }
+        if !shutdown.sleep(pause.min(wait.saturating_sub(started.elapsed()))) {
+            break Err(AttachError::Stopping);
+        }
+        pause = (pause * 2).min(POLL_MAX);
+    };
+    // Answered or given up: the call is not left behind (a host still on
+    // it finds it gone and writes nothing).
+    if let Err(e) = claims.client().delete_range(&key, "") {
+        log::info!("cluster: the forwarded call {key} stays in etcd: {e}");
+    }
+    answer
+}
