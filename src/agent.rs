@@ -163,11 +163,12 @@ impl Agent {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0);
-                let (reconciler, node, root, releaser) = (
+                let (reconciler, node, root, releaser, stop) = (
                     etcd_claims.clone(),
                     config.node_name.clone(),
                     config.mount_root.clone(),
                     lifecycle_slot.clone(),
+                    shutdown.clone(),
                 );
                 let liveness = NodeLiveness::start(
                     client,
@@ -189,9 +190,10 @@ impl Agent {
                                     // The first registration can come before
                                     // the lifecycle exists (it is made right
                                     // after this thread starts).
-                                    let until = Instant::now() + Duration::from_secs(30);
-                                    while releaser.get().is_none() && Instant::now() < until {
-                                        std::thread::sleep(Duration::from_millis(20));
+                                    while releaser.get().is_none() {
+                                        if !stop.sleep(Duration::from_millis(20)) {
+                                            return;
+                                        }
                                     }
                                     release_lost(releaser.get(), &r.lost);
                                 }

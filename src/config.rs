@@ -402,10 +402,13 @@ impl Config {
                             c.stop_after_disconnect,
                             Duration::ZERO,
                         )?;
-                        if d < Duration::from_secs(1) {
+                        if d < Duration::from_secs(1) || d < lease_ttl {
                             return Err(field_err(
                                 "cluster.stop_after_disconnect",
-                                "must be at least 1s (leave it out to keep allocations however long the node is cut off)".into(),
+                                format!(
+                                    "must be at least 1s and at least lease_ttl ({}): a shorter window would stop allocations of a node whose lease is still valid (leave it out to keep allocations however long the node is cut off)",
+                                    format_duration(lease_ttl)
+                                ),
                             ));
                         }
                         Some(d)

@@ -539,4 +539,38 @@ fn expansion_grows_a_mounted_volume_online_and_records_the_capacity() {
         w.ops()[before..].to_vec(),
         vec![ok("ControllerExpandVolume")]
     );
+    assert_eq!(
+        w.agent.state()["volumes"]["db"]["node_expansion_pending"],
+        true
+    );
+
+    // The next mount does the node's part after NodePublish, once.
+    let before = w.ops().len();
+    let host = host_path(&w.mount("a2", "data=db").ok());
+    assert_eq!(
+        w.ops()[before..].to_vec(),
+        vec![
+            ok("ControllerPublishVolume"),
+            ok("NodeStageVolume"),
+            ok("NodePublishVolume"),
+            ok("NodeExpandVolume")
+        ]
+    );
+    let node = w.plugin.call_log().calls_of("NodeExpandVolume")[1].clone();
+    assert_eq!(node["target_path"], json!(host));
+    assert_eq!(node["required_bytes"], 8_388_608, "{node}");
+    assert_eq!(reported_capacity(&w.plugin, "db", &host), 8_388_608);
+    assert_eq!(
+        w.agent.state()["volumes"]["db"]["node_expansion_pending"],
+        Value::Null,
+        "done: no longer pending"
+    );
+    w.release("a2");
+    let before = w.ops().len();
+    w.mount("a3", "data=db").ok();
+    assert!(
+        !w.ops()[before..].contains(&ok("NodeExpandVolume")),
+        "{:?}",
+        w.ops()
+    );
 }

@@ -48,6 +48,7 @@ pub fn volume_from_wire(v: &w::Volume) -> Result<VolumeSpec, String> {
             .map(topology_from_wire)
             .collect(),
         capacity_bytes: v.capacity_bytes,
+        node_expansion_pending: false,
     })
 }
 

@@ -34,6 +34,9 @@ const RESULT_POLL_MAX: Duration = Duration::from_millis(500);
 #[derive(Default)]
 pub(super) struct ControllerCacheInner {
     watcher: Option<crate::etcd::Watcher>,
+    /// Bumped whenever the answers are dropped or the watch replaced: an
+    /// answer read under an older generation is not kept.
+    generation: u64,
     answers: std::collections::HashMap<String, Option<RemoteController>>,
 }
 
@@ -285,7 +288,14 @@ impl EtcdClaims {
 
     /// Puts the request (want, pending) unless it already stands as asked;
     /// returns the record as it is after the write.
-    fn request(&self, req: &AttachRequest, want: Want) -> Result<AttachmentRecord, ClaimError> {
+    /// `guard`: more compares the write needs (a detach for a node gone
+    /// for good: its liveness key still absent).
+    fn request(
+        &self,
+        req: &AttachRequest,
+        want: Want,
+        guard: &[Compare],
+    ) -> Result<AttachmentRecord, ClaimError> {
         let key = self.attachment_key(&req.volume_id, &req.node);
         for _ in 0..super::etcd::CONFLICT_ATTEMPTS {
             let current = self.client().get(&key).map_err(unavailable)?;
@@ -316,12 +326,20 @@ impl EtcdClaims {
                 None => (Compare::absent(key.clone()), fresh(req, want, now)),
             };
             let value = serde_json::to_vec(&rec).expect("a request always encodes");
+            let mut compares = vec![compare];
+            compares.extend_from_slice(guard);
             let t = self
                 .client()
-                .txn(&[compare], &[TxnOp::put(key.clone(), value)], &[])
+                .txn(&compares, &[TxnOp::put(key.clone(), value)], &[])
                 .map_err(unavailable)?;
             if t.succeeded {
                 return Ok(rec);
+            }
+            if !guard.is_empty() && self.node_is_alive(&req.node)? {
+                return Err(ClaimError::Impossible {
+                    volume_id: req.volume_id.clone(),
+                    reason: format!("node {} is alive again: not detached", req.node),
+                });
             }
         }
         Err(ClaimError::Unavailable {
@@ -469,22 +487,26 @@ impl RemoteControllers for EtcdClaims {
     }
 
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
-        let need_watch = {
+        let (need_watch, old) = {
             let mut cache = self.controllers.lock();
             let changed = match &cache.watcher {
                 None => true,
                 Some(w) => !matches!(w.recv_timeout(Duration::ZERO), Ok(None)),
             };
+            let mut old = None;
             if changed {
                 // Events (or an ended watch) drop the answers; the watch
                 // is made again from now on.
                 cache.answers.clear();
-                cache.watcher = None;
+                old = cache.watcher.take();
+                cache.generation += 1;
             } else if let Some(answer) = cache.answers.get(plugin_id) {
                 return Ok(answer.clone());
             }
-            cache.watcher.is_none()
+            (cache.watcher.is_none(), old)
         };
+        // Stopped outside the cache's lock (its thread is joined).
+        drop(old);
         if need_watch {
             // Made outside the cache's lock (a round trip).
             let prefix = format!("{}/plugins/", self.prefix());
@@ -497,10 +519,12 @@ impl RemoteControllers for EtcdClaims {
                 )
                 .ok();
             let mut cache = self.controllers.lock();
-            if cache.watcher.is_none() {
+            if cache.watcher.is_none() && w.is_some() {
                 cache.watcher = w;
+                cache.generation += 1;
             }
         }
+        let generation = self.controllers.lock().generation;
         let r = self
             .client()
             .range_prefix(format!(
@@ -519,9 +543,9 @@ impl RemoteControllers for EtcdClaims {
             }
         }
         let mut cache = self.controllers.lock();
-        // Kept only while the watch, made before the read, runs: a change
-        // after the read shows as an event.
-        if cache.watcher.is_some() {
+        // Kept only while the watch that was running before the read still
+        // runs (a change after the read shows as its event).
+        if cache.watcher.is_some() && cache.generation == generation {
             cache.answers.insert(plugin_id.to_string(), found.clone());
         }
         Ok(found)
@@ -534,7 +558,7 @@ impl RemoteControllers for EtcdClaims {
         shutdown: &Shutdown,
     ) -> Result<BTreeMap<String, String>, AttachError> {
         let rec = self
-            .request(req, Want::Attached)
+            .request(req, Want::Attached, &[])
             .map_err(AttachError::Store)?;
         if rec.state == AttachState::Done {
             return Ok(rec.publish_context);
@@ -564,7 +588,19 @@ impl RemoteControllers for EtcdClaims {
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<(), AttachError> {
-        self.request(req, Want::Detached)
+        self.detach_guarded(req, wait, shutdown, &[])
+    }
+}
+
+impl EtcdClaims {
+    fn detach_guarded(
+        &self,
+        req: &AttachRequest,
+        wait: Duration,
+        shutdown: &Shutdown,
+        guard: &[Compare],
+    ) -> Result<(), AttachError> {
+        self.request(req, Want::Detached, guard)
             .map_err(AttachError::Store)?;
         self.wait_for(req, wait, shutdown, |rec| match rec {
             None => Some(Ok(())),
@@ -613,9 +649,11 @@ impl EtcdClaims {
             .map_err(store)?;
         let mut mine = Vec::new();
         for kv in &r.kvs {
-            let stored = super::etcd::parse(kv).map_err(AttachError::Store)?;
-            if stored.claim.node == node {
-                mine.push((kv.clone(), stored));
+            match super::etcd::parse(kv) {
+                Ok(stored) if stored.claim.node == node => mine.push((kv.clone(), stored)),
+                Ok(_) => {}
+                // Never freed or overwritten; reported where it is listed.
+                Err(e) => log::warn!("cluster: {e} (left untouched)"),
             }
         }
         let attachment = self
@@ -667,9 +705,12 @@ impl EtcdClaims {
             }
             (None, None) => None,
         };
+        // Every write below holds only while the node is still gone: one
+        // that comes back keeps its volumes and claims.
+        let gone = [Compare::absent(super::etcd::node_key(self.prefix(), node))];
         let mut out = NodeDetach::default();
         if let Some(req) = &request {
-            self.detach(req, wait, shutdown)?;
+            self.detach_guarded(req, wait, shutdown, &gone)?;
             out.detached = true;
         }
         for (kv, stored) in mine {
@@ -685,11 +726,10 @@ impl EtcdClaims {
             let t = self
                 .client()
                 .txn(
-                    &[Compare::mod_revision(
-                        kv.key.clone(),
-                        CompareOp::Equal,
-                        kv.mod_revision,
-                    )],
+                    &[
+                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
+                        gone[0].clone(),
+                    ],
                     &[
                         TxnOp::delete(kv.key.clone()),
                         TxnOp::put(note_key, note.to_string()),
@@ -697,6 +737,12 @@ impl EtcdClaims {
                     &[],
                 )
                 .map_err(store)?;
+            if !t.succeeded {
+                log::warn!(
+                    "cluster: the claim of volume {volume_id} by allocation {} of node {node} was not freed: it changed, or the node is back",
+                    stored.claim.alloc_id
+                );
+            }
             if t.succeeded {
                 log::warn!(
                     "cluster: freed the claim of volume {volume_id} by allocation {} of node {node}: {reason}",

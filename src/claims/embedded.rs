@@ -81,6 +81,7 @@ fn apply(s: &mut StateFile, change: &ClaimChange) -> Result<(), ClaimError> {
         ClaimChange::Free {
             volume_id,
             alloc_id,
+            ..
         } => {
             s.claims.remove(&(volume_id.clone(), alloc_id.clone()));
             Ok(())
@@ -199,6 +200,7 @@ mod tests {
         let free = ClaimChange::Free {
             volume_id: "v".into(),
             alloc_id: "a".into(),
+            holder: None,
         };
         change(&claims, free.clone()).expect("free");
         change(&claims, free).expect("free again");
@@ -211,6 +213,7 @@ mod tests {
                 changes: vec![ClaimChange::Free {
                     volume_id: "v".into(),
                     alloc_id: "b".into(),
+                    holder: None,
                 }],
                 wanted: &|_| false,
                 record: &mut |s, _| s.boot_id = "changed".into(),

@@ -184,12 +184,8 @@ impl EtcdClaims {
             ClaimChange::Free {
                 volume_id,
                 alloc_id,
-            } => {
-                let key = self.key(volume_id, alloc_id);
-                self.client.delete_range(&key, "").map_err(unavailable)?;
-                self.known.lock().remove(&key);
-                Ok(())
-            }
+                holder,
+            } => self.free(volume_id, alloc_id, holder.as_deref()),
         }
     }
 
@@ -331,6 +327,62 @@ impl EtcdClaims {
         })
     }
 
+    /// Deletes the claim; with `holder`, only while that node holds it (one
+    /// `Txn` when it is as this node last wrote it). A claim another node
+    /// holds under the same allocation ID is left alone; a value that is
+    /// not a claim is never deleted.
+    fn free(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        holder: Option<&str>,
+    ) -> Result<(), ClaimError> {
+        let key = self.key(volume_id, alloc_id);
+        let Some(holder) = holder else {
+            self.client.delete_range(&key, "").map_err(unavailable)?;
+            self.known.lock().remove(&key);
+            return Ok(());
+        };
+        let known = self.known.lock().get(&key).map(|(rev, _)| *rev);
+        if let Some(revision) = known {
+            if self.delete_if_unchanged(&key, revision)? {
+                return Ok(());
+            }
+        }
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
+                self.known.lock().remove(&key);
+                return Ok(());
+            };
+            let stored = parse(&kv)?;
+            if stored.claim.node != holder {
+                log::info!(
+                    "cluster: claim {key} is held by node {} now, not {holder}: left alone",
+                    stored.claim.node
+                );
+                self.known.lock().remove(&key);
+                return Ok(());
+            }
+            if self.delete_if_unchanged(&key, kv.mod_revision)? {
+                return Ok(());
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("claim {key} kept changing"),
+        })
+    }
+
+    fn delete_if_unchanged(&self, key: &str, revision: i64) -> Result<bool, ClaimError> {
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
+        let t = self
+            .client
+            .txn(&[same], &[TxnOp::delete(key.as_bytes())], &[])
+            .map_err(unavailable)?;
+        self.known.lock().remove(key);
+        Ok(t.succeeded)
+    }
+
     /// Changes this allocation's claim, if it is held: false when it is
     /// not (a claim not held has nothing to change). One `Txn` when the
     /// claim is as this node last wrote it.
@@ -354,6 +406,11 @@ impl EtcdClaims {
                 return Ok(false);
             };
             let mut stored = parse(&kv)?;
+            if !self.node.is_empty() && stored.claim.node != self.node {
+                // The same allocation ID held on another node by now.
+                self.known.lock().remove(&key);
+                return Ok(false);
+            }
             f(&mut stored.claim);
             if self.put_if_unchanged(&key, kv.mod_revision, &stored)? {
                 return Ok(true);
@@ -472,6 +529,7 @@ impl ClaimStore for EtcdClaims {
                 let free = ClaimChange::Free {
                     volume_id: req.volume_id.clone(),
                     alloc_id: req.alloc_id.clone(),
+                    holder: Some(req.node.clone()),
                 };
                 if let Err(e) = self.apply(&free) {
                     log::warn!("cluster: a claim taken for a change no longer wanted stays: {e}");
@@ -621,12 +679,21 @@ impl EtcdClaims {
             .client
             .range_prefix(self.all_prefix())
             .map_err(unavailable)?;
+        // Held by this node, or not known by whom (a value that is not a
+        // claim is never taken for a freed one).
         let held: std::collections::HashSet<(String, String)> = r
             .kvs
             .iter()
-            .filter_map(|kv| parse(kv).ok())
-            .filter(|s| s.claim.node == node)
-            .map(|s| (s.claim.volume_id, s.claim.alloc_id))
+            .filter_map(|kv| match parse(kv) {
+                Ok(s) if s.claim.node == node => Some((s.claim.volume_id, s.claim.alloc_id)),
+                Ok(_) => None,
+                Err(_) => {
+                    let key = kv.key_str();
+                    let rest = key.strip_prefix(&self.all_prefix())?;
+                    let (v, a) = rest.split_once('/')?;
+                    Some((v.to_string(), a.to_string()))
+                }
+            })
             .collect();
         let mut lost = Vec::new();
         for (volume_id, alloc_id) in past_claim {
@@ -639,9 +706,17 @@ impl EtcdClaims {
                 .map_err(unavailable)?;
             let why = note
                 .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
-                .and_then(|v| v["reason"].as_str().map(str::to_string))
-                .unwrap_or_else(|| "its claim is no longer in etcd".to_string());
-            lost.push((volume_id, alloc_id, why));
+                .and_then(|v| v["reason"].as_str().map(str::to_string));
+            match why {
+                // Freed on purpose (the disconnect rule, or by hand).
+                Some(why) => lost.push((volume_id, alloc_id, why)),
+                // Gone without a trace (a changed prefix or node name, an
+                // etcd restored from an old backup, a store switched from
+                // one node): never a reason to unmount a workload.
+                None => log::error!(
+                    "cluster: allocation {alloc_id} on this node records volume {volume_id} but etcd holds no claim of it by this node and no note of it being freed: keeping the allocation (check the cluster section's prefix and node_name)"
+                ),
+            }
         }
         let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
             store: "mountinfo".to_string(),

@@ -68,7 +68,14 @@ pub enum ClaimChange {
         error: String,
     },
     /// Free the claim; freeing a claim that is not held succeeds.
-    Free { volume_id: String, alloc_id: String },
+    /// `holder`: free it only while that node holds it (a node's own
+    /// release: the same allocation ID may be held on another node by
+    /// now); None: whoever holds it (freed by hand).
+    Free {
+        volume_id: String,
+        alloc_id: String,
+        holder: Option<String>,
+    },
 }
 
 impl ClaimChange {

@@ -227,6 +227,19 @@ impl Host {
             if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
                 continue;
             }
+            let plain = [
+                ("volume", &rec.volume_id),
+                ("node", &rec.node),
+                ("plugin", &rec.plugin_id),
+            ]
+            .iter()
+            .all(|(what, id)| crate::ids::check_id(what, id).is_ok());
+            if !plain || key != self.claims.attachment_key(&rec.volume_id, &rec.node) {
+                log::warn!(
+                    "controller host: {key} does not name its own volume and node (left untouched)"
+                );
+                continue;
+            }
             let Some(controller) = self
                 .registry
                 .get_ready(&rec.plugin_id, PluginKind::Controller)
@@ -290,6 +303,14 @@ impl Host {
             if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
                 continue;
             }
+            let under_plugin = key
+                .strip_prefix(&self.claims.controller_calls_prefix())
+                .and_then(|rest| rest.split_once('/'))
+                .is_some_and(|(p, _)| p == rec.plugin_id);
+            if crate::ids::check_id("plugin", &rec.plugin_id).is_err() || !under_plugin {
+                log::warn!("controller host: {key} does not name its own plugin (left untouched)");
+                continue;
+            }
             let Some(controller) = self
                 .registry
                 .get_ready(&rec.plugin_id, PluginKind::Controller)
@@ -346,8 +367,14 @@ impl Host {
         let Some(held) = t.first_range().and_then(|r| r.kvs.first()) else {
             return Ok(false);
         };
-        if held_by(held) != Some(self.node.clone()) || held.lease == Some(lease) {
+        if held_by(held) != Some(self.node.clone()) {
             return Ok(false);
+        }
+        if held.lease == Some(lease) {
+            // This node's, under its current lease, and no worker of it is
+            // on the request (the caller checked): left behind by a worker
+            // whose unlock failed. Taken back as it is.
+            return Ok(held.value == lock.value.as_bytes());
         }
         let same = Compare::mod_revision(lock.key.clone(), CompareOp::Equal, held.mod_revision);
         Ok(client

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use super::liveness::NodeLiveness;
 use crate::claims::etcd::unavailable;
-use crate::claims::{ClaimError, EtcdClaims};
+use crate::claims::{ClaimError, ClaimStore, EtcdClaims};
 use crate::etcd::{Compare, CompareOp, LeaseId, TxnOp};
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
@@ -236,11 +236,13 @@ impl Rule {
     fn reap(&self, node: &str, window: Duration, lease: LeaseId) -> Result<(), ClaimError> {
         let claims = &self.parts.claims;
         let volumes: Vec<String> = {
-            let mut v: Vec<String> = claims
-                .list_stored()?
+            // A value that is not a claim is skipped (and reported where
+            // it is listed), never a reason to stop reaping other nodes.
+            let (all, _problems) = ClaimStore::list_with_problems(&**claims)?;
+            let mut v: Vec<String> = all
                 .into_iter()
-                .filter(|s| s.claim.node == node)
-                .map(|s| s.claim.volume_id)
+                .filter(|c| c.node == node)
+                .map(|c| c.volume_id)
                 .collect();
             v.dedup();
             v

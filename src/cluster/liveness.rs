@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::etcd::{EtcdClient, LeaseId};
+use crate::etcd::{EtcdClient, LeaseId, RenewalClock};
 use crate::retry::{Backoff, BackoffPolicy};
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
@@ -30,7 +30,7 @@ pub struct NodeRecord {
 }
 
 /// Where this node's liveness stands.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Liveness {
     /// The lease is held and was renewed at this time.
     pub renewed: Option<Instant>,
@@ -38,6 +38,9 @@ pub struct Liveness {
     pub last_error: Option<String>,
     /// The lease, while it is held (locks of controller work hang on it).
     pub lease: Option<LeaseId>,
+    /// The keep-alive's own record of its last renewal: `status()` reads
+    /// `renewed` from it, so it is current, whatever this thread is doing.
+    clock: Option<RenewalClock>,
 }
 
 pub struct NodeLiveness {
@@ -76,13 +79,17 @@ impl NodeLiveness {
     }
 
     pub fn status(&self) -> Liveness {
-        self.status.lock().clone()
+        let mut s = self.status.lock().clone();
+        if let Some(c) = &s.clock {
+            s.renewed = Some(c.last_renewed());
+        }
+        s
     }
 
     /// Why this node's liveness is not current (etcd unreachable, the lease
     /// lost, renewals late), if it is not.
     pub fn problem(&self) -> Option<String> {
-        let s = self.status.lock().clone();
+        let s = self.status();
         match (s.renewed, s.last_error) {
             (_, Some(e)) => Some(format!("this node's liveness lease is not held: {e}")),
             (None, None) => Some("this node's liveness is not registered in etcd yet".to_string()),
@@ -154,6 +161,7 @@ fn run(
             renewed: Some(keep_alive.last_renewed()),
             last_error: None,
             lease: Some(lease),
+            clock: Some(keep_alive.renewal_clock()),
         };
         on_registered();
         // Renewal happens on the keep-alive's own thread; this one reports

@@ -103,6 +103,29 @@ impl KeepAlive {
     pub fn stop(mut self) {
         self.worker.stop();
     }
+
+    /// Reads the time of the last renewal from any thread, for as long as
+    /// the handle lives (also after the lease is lost: it then keeps the
+    /// last renewal that happened).
+    pub fn renewal_clock(&self) -> RenewalClock {
+        RenewalClock(self.shared.clone())
+    }
+}
+
+/// See `KeepAlive::renewal_clock`.
+#[derive(Clone)]
+pub struct RenewalClock(Arc<Shared>);
+
+impl RenewalClock {
+    pub fn last_renewed(&self) -> Instant {
+        self.0.last.lock().at
+    }
+}
+
+impl std::fmt::Debug for RenewalClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RenewalClock").finish()
+    }
 }
 
 fn interval(ttl: Duration) -> Duration {

@@ -26,7 +26,7 @@ mod worker;
 
 pub use client::{EtcdClient, EtcdOptions, DEFAULT_CALL_TIMEOUT};
 pub use error::EtcdError;
-pub use keepalive::KeepAlive;
+pub use keepalive::{KeepAlive, RenewalClock};
 pub use kv::{prefix_end, DeleteResponse, KeyValue, LeaseId, PutResponse, RangeResponse};
 pub use tls::{ClientIdentity, TlsOptions};
 pub use txn::{Compare, CompareOp, CompareTarget, TxnOp, TxnOpResponse, TxnResponse};

@@ -188,6 +188,7 @@ impl Core {
         let free = ClaimChange::Free {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
+            holder: Some(self.opts.node_name.clone()),
         };
         let applied = self.transact(vec![free], &|_| true, &mut |s, out| {
             if out.iter().all(Result::is_ok) {

@@ -152,6 +152,7 @@ impl Lifecycle {
         let free = crate::claims::ClaimChange::Free {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
+            holder: None,
         };
         self.core
             .transact(vec![free], &|_| true, &mut |_, _| {})

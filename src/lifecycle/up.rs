@@ -216,6 +216,7 @@ pub fn step(
             failpoints::hit("before-node-publish");
             node.client.node_publish_volume(&req)?;
             failpoints::hit("after-node-publish");
+            super::volume_ops::expand_pending_on_node(core, node, &rec);
             if !up.node_side_only {
                 record_published(core, alloc_id, alias, &rec, up)?;
                 core.progress.forget_sent(alloc_id, alias);

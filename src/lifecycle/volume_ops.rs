@@ -15,8 +15,8 @@ use super::controller_ops::Controller;
 use super::core::Core;
 use super::error::VolumeOpError;
 use crate::csi::{self, ControllerCapabilities, CsiError};
-use crate::plugins::PluginKind;
-use crate::state::Phase;
+use crate::plugins::{PluginKind, PluginSnapshot};
+use crate::state::{AllocVolume, Phase};
 use crate::volumes::requests::{path_string, volume_capability};
 use crate::volumes::{ContentSource, Usage, VolumeCreate, VolumeSpec};
 
@@ -282,7 +282,10 @@ pub fn expand(core: &Core, id: &str, size: i64) -> Result<Expansion, VolumeOpErr
     } else {
         size
     };
-    record_capacity(core, &spec, capacity)?;
+    // Asked for while the volume is mounted nowhere here: the next mount
+    // expands it on its node (after NodePublish).
+    let pending = answer.node_expansion_required && published.is_empty();
+    record_capacity(core, &spec, capacity, pending)?;
     log::info!("expanded volume {id} to {capacity} bytes through its controller");
 
     let mut out = Expansion {
@@ -307,30 +310,7 @@ pub fn expand(core: &Core, id: &str, size: i64) -> Result<Expansion, VolumeOpErr
     {
         return Ok(out);
     }
-    let mut cap = capability;
-    if let Some(csi::volume_capability::Access_type::Mount(m)) = cap.access_type.as_mut() {
-        m.mount_flags = spec
-            .mount_options
-            .mount_flags
-            .iter()
-            .chain(&rec.mount_flags)
-            .cloned()
-            .collect();
-        m.volume_mount_group = rec.mount_group.clone();
-    }
-    let req = csi::NodeExpandVolumeRequest {
-        volume_id: spec.external_id.clone(),
-        volume_path: path_string(&rec.target_path),
-        capacity_range: protobuf::MessageField::some(range),
-        staging_target_path: rec
-            .staging_path
-            .as_deref()
-            .map(path_string)
-            .unwrap_or_default(),
-        volume_capability: protobuf::MessageField::some(cap),
-        secrets: spec.secrets.clone().into_iter().collect(),
-        ..Default::default()
-    };
+    let req = node_expand_request(&spec, rec, capacity);
     let node_operation = format!(
         "expand the file system of volume {id} at {} (its controller expansion to {capacity} bytes is done)",
         rec.target_path.display()
@@ -346,11 +326,92 @@ pub fn expand(core: &Core, id: &str, size: i64) -> Result<Expansion, VolumeOpErr
     Ok(out)
 }
 
-/// Records a volume's new capacity (and in cluster mode the cluster's
-/// registration too), whoever holds it.
-fn record_capacity(core: &Core, spec: &VolumeSpec, capacity: i64) -> Result<(), VolumeOpError> {
+/// NodeExpandVolume of a published record to `capacity` bytes.
+fn node_expand_request(
+    spec: &VolumeSpec,
+    rec: &AllocVolume,
+    capacity: i64,
+) -> csi::NodeExpandVolumeRequest {
+    let cap = volume_capability(
+        &rec.usage,
+        &spec.mount_options,
+        &rec.mount_flags,
+        &rec.mount_group,
+    );
+    csi::NodeExpandVolumeRequest {
+        volume_id: spec.external_id.clone(),
+        volume_path: path_string(&rec.target_path),
+        capacity_range: protobuf::MessageField::some(csi::CapacityRange {
+            required_bytes: capacity,
+            ..Default::default()
+        }),
+        staging_target_path: rec
+            .staging_path
+            .as_deref()
+            .map(path_string)
+            .unwrap_or_default(),
+        volume_capability: protobuf::MessageField::some(cap),
+        secrets: spec.secrets.clone().into_iter().collect(),
+        ..Default::default()
+    }
+}
+
+/// After NodePublish: the node expansion a plugin asked for while the
+/// volume was mounted nowhere on the expanding node (CSI: the CO calls
+/// NodeExpandVolume once the volume is published). Done, the pending mark
+/// is cleared; a failure is logged and left pending for the next mount
+/// (the volume is usable at its old size meanwhile).
+pub fn expand_pending_on_node(core: &Core, node: &PluginSnapshot, rec: &AllocVolume) {
+    let Some(spec) = core.spec(&rec.volume_id) else {
+        return;
+    };
+    if !spec.node_expansion_pending {
+        return;
+    }
+    let id = &rec.volume_id;
+    let expands = node
+        .node_capabilities
+        .as_ref()
+        .is_some_and(|n| n.expand_volume);
+    if expands {
+        let req = node_expand_request(&spec, rec, spec.capacity_bytes);
+        if let Err(e) = node.client.node_expand_volume(&req) {
+            log::warn!(
+                "volume {id}: the node expansion to {} bytes asked for at its last expansion failed at {} (tried again at its next mount): {}",
+                spec.capacity_bytes,
+                rec.target_path.display(),
+                crate::error_chain(&e)
+            );
+            return;
+        }
+        log::info!(
+            "volume {id}: expanded on this node at {} to {} bytes (asked for at its last expansion, while it was not mounted)",
+            rec.target_path.display(),
+            spec.capacity_bytes
+        );
+    } else {
+        log::warn!(
+            "volume {id}: its plugin asked for a node expansion but node plugin {} cannot expand (no EXPAND_VOLUME); left as it is",
+            node.id
+        );
+    }
+    if let Err(e) = record_capacity(core, &spec, spec.capacity_bytes, false) {
+        log::warn!("volume {id}: the finished node expansion is not recorded: {e}");
+    }
+}
+
+/// Records a volume's new capacity and whether a node expansion is
+/// pending (and in cluster mode the cluster's registration too), whoever
+/// holds it.
+fn record_capacity(
+    core: &Core,
+    spec: &VolumeSpec,
+    capacity: i64,
+    pending: bool,
+) -> Result<(), VolumeOpError> {
     let mut updated = spec.clone();
     updated.capacity_bytes = capacity;
+    updated.node_expansion_pending = pending;
     if let Some(shared) = core.claims.shared_volumes() {
         shared
             .put(&updated)
@@ -361,6 +422,7 @@ fn record_capacity(core: &Core, spec: &VolumeSpec, capacity: i64) -> Result<(), 
             Some(local) => {
                 let mut local = (**local).clone();
                 local.capacity_bytes = capacity;
+                local.node_expansion_pending = pending;
                 s.volumes.insert(spec.id.clone(), Arc::new(local));
             }
             // In cluster mode this node may hold no copy: the cluster's is

@@ -121,6 +121,7 @@ impl VolumeCreate {
             secrets: self.secrets.clone(),
             accessible_topology: Vec::new(),
             capacity_bytes: 0,
+            node_expansion_pending: false,
         }
     }
 

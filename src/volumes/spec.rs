@@ -168,6 +168,11 @@ pub struct VolumeSpec {
     /// ControllerExpandVolume); 0: unknown.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub capacity_bytes: i64,
+    /// The plugin asked for a node expansion (ControllerExpandVolume's
+    /// `node_expansion_required`) while the volume was mounted nowhere on
+    /// the expanding node: the next mount does it after NodePublish.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_pending: bool,
 }
 
 /// One set of topology segments (`{"zone": "z1", "rack": "r7"}`).
@@ -473,6 +478,7 @@ mod tests {
             secrets: BTreeMap::from([("password".to_string(), "hunter2".to_string())]),
             accessible_topology: Vec::new(),
             capacity_bytes: 0,
+            node_expansion_pending: false,
         }
     }
 

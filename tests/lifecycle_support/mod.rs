@@ -74,6 +74,7 @@ pub fn spec(id: &str, modes: &[AccessMode]) -> VolumeSpec {
         secrets: BTreeMap::from([("token".to_string(), SECRET.to_string())]),
         accessible_topology: Vec::new(),
         capacity_bytes: 0,
+        node_expansion_pending: false,
     }
 }
 

@@ -148,7 +148,9 @@ Grows volume ID to at least BYTES through its controller plugin
 (ControllerExpandVolume, which needs EXPAND_VOLUME) and records the new
 capacity. When the plugin asks for node expansion and the volume is
 mounted on this node, the file system is grown there while it stays
-mounted (NodeExpandVolume on its target path, with its staging path).
+mounted (NodeExpandVolume on its target path, with its staging path);
+when it is mounted nowhere here, the next mount of the volume does it
+right after NodePublish (node_expansion_pending says so).
 A size below the volume's recorded capacity is refused (exit 2) with
 nothing changed.
 
