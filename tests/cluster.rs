@@ -1226,8 +1226,9 @@ fn health_and_metrics_follow_the_link_to_etcd() {
 /// A node whose claim was freed elsewhere while its agent was down (by hand
 /// here; the disconnect rule frees the same way, with a note) releases the
 /// allocation when it is back in touch with etcd: nothing stays mounted
-/// without a claim, the claim is not taken again, and another node can
-/// use the volume.
+/// without a claim. The workload moved to another node under the same
+/// allocation ID meanwhile: that node's claim is left alone (neither marked
+/// nor freed by the returning node) and its mount stays.
 #[test]
 fn a_claim_freed_while_the_agent_was_down_releases_its_allocation() {
     let mut c = Cluster::start(&["a", "b"], &|_| {});
@@ -1247,16 +1248,20 @@ fn a_claim_freed_while_the_agent_was_down_releases_its_allocation() {
         ])
         .ok();
     assert!(stored_claims(&c.etcd, "v").is_empty());
+    let moved = c.nodes[1].mount_ok("a1", "data=v");
+    let held_by_b = stored_claims(&c.etcd, "v");
     c.nodes[0].agent.spawn();
     c.nodes[0].agent.wait_listening();
     wait_until(RETRY_TIMEOUT, "node a to release a1", || {
         no_allocs(&c.nodes[0]) && c.nodes[0].targets().is_empty()
     });
     assert!(!is_mount_point(&path));
-    assert!(
-        stored_claims(&c.etcd, "v").is_empty(),
-        "the freed claim was not taken again"
+    assert_eq!(
+        stored_claims(&c.etcd, "v"),
+        held_by_b,
+        "b's claim of the same allocation ID is untouched"
     );
+    assert!(is_mount_point(&moved), "b's mount stays");
     let log = c.nodes[0].agent.log();
     assert!(
         log.contains("no longer holds its claim") && log.contains("node a replaced"),
@@ -1270,5 +1275,4 @@ fn a_claim_freed_while_the_agent_was_down_releases_its_allocation() {
         ]),
         "{calls:?}"
     );
-    c.nodes[1].mount_ok("b1", "data=v");
 }
