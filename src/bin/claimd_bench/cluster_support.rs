@@ -122,13 +122,34 @@ impl Node {
         name: &str,
         endpoint: Option<&str>,
     ) -> Node {
+        let cluster = endpoint.map(|ep| json!({"endpoints": [ep], "prefix": PREFIX}));
+        Node::start_with(args, env, s, name, &["--no-controller"], cluster, json!({}))
+    }
+
+    /// The same with the plugin's own arguments (besides `--node-id
+    /// ext-<name>`), the agent's whole `cluster` section (None: the
+    /// embedded store) and more top-level configuration fields.
+    pub fn start_with(
+        args: &Args,
+        env: &Arc<grpcio::Environment>,
+        s: &mut Scratch,
+        name: &str,
+        plugin_args: &[&str],
+        cluster: Option<Value>,
+        more: Value,
+    ) -> Node {
         let dir = s.dir.join(name);
         let mut extra = json!({ "node_name": name });
-        if let Some(ep) = endpoint {
-            extra["cluster"] = json!({"endpoints": [ep], "prefix": PREFIX});
+        let endpoint = cluster.is_some();
+        if let Some(c) = cluster {
+            extra["cluster"] = c;
+        }
+        if let (Some(e), Value::Object(more)) = (extra.as_object_mut(), more) {
+            e.extend(more);
         }
         let node_id = format!("ext-{name}");
-        let plugin_args = ["--no-controller", "--node-id", node_id.as_str()];
+        let mut plugin_args = plugin_args.to_vec();
+        plugin_args.extend(["--node-id", node_id.as_str()]);
         let setup = start_plugin_in(args, s, &dir, &plugin_args, extra);
         let (agent, _) = Agent::start(args, &setup);
         let api = api(&setup, env);
@@ -141,7 +162,7 @@ impl Node {
                     .list_plugins(&w::ListPluginsRequest::new(), opt())
                     .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"));
                 ready
-                    && (endpoint.is_none()
+                    && (!endpoint
                         || sample(&metrics_text(&api), "claimd_etcd_lease_held") == Some(1.0))
             },
         );
@@ -372,4 +393,138 @@ pub fn load_average() -> String {
         .take(3)
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Milliseconds since the epoch: the clock of the test plugin's call log.
+pub fn now_ms() -> u64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is after 1970");
+    u64::try_from(d.as_millis()).expect("milliseconds fit u64")
+}
+
+/// The times (`ts_ms`) of the calls of `method` in a test plugin's call
+/// log, with `node_id` when given, in order.
+pub fn call_times(log: &std::path::Path, method: &str, node_id: Option<&str>) -> Vec<u64> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|c| c["method"] == method && node_id.map_or(true, |n| c["node_id"] == n))
+        .filter_map(|c| c["ts_ms"].as_u64())
+        .collect()
+}
+
+// ---- A link to etcd that can be cut ---------------------------------------------
+
+/// A TCP proxy in front of etcd for one agent: `pause` stops forwarding
+/// both ways (the connections stay open, as in a partition: calls hang
+/// until their deadline), `resume` forwards again. Stops on drop.
+pub struct Proxy {
+    addr: std::net::SocketAddr,
+    state: Arc<ProxyState>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    paused: std::sync::atomic::AtomicBool,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+/// How often a pump looks at the pause and stop flags.
+const PUMP_TICK: Duration = Duration::from_millis(20);
+
+impl Proxy {
+    /// Forwards a free loopback port to `target` (`http://host:port`).
+    pub fn start(target: &str) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let target: std::net::SocketAddr = target
+            .trim_start_matches("http://")
+            .parse()
+            .expect("etcd's client address");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let addr = listener.local_addr().expect("the proxy's address");
+        let state = Arc::new(ProxyState::default());
+        let st = state.clone();
+        std::thread::Builder::new()
+            .name("bench-proxy".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if st.stopped.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(down) = conn else { continue };
+                    let Ok(up) = std::net::TcpStream::connect(target) else {
+                        continue;
+                    };
+                    for (from, to) in [(&down, &up), (&up, &down)] {
+                        let (from, to) = (
+                            from.try_clone().expect("clone a socket"),
+                            to.try_clone().expect("clone a socket"),
+                        );
+                        let st = st.clone();
+                        std::thread::Builder::new()
+                            .name("bench-pump".into())
+                            .spawn(move || pump(from, to, &st))
+                            .expect("start a proxy pump");
+                    }
+                }
+            })
+            .expect("start the proxy");
+        Proxy { addr, state }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn pause(&self) {
+        self.state
+            .paused
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn resume(&self) {
+        self.state
+            .paused
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.state
+            .stopped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wakes the acceptor; pumps see the flag within a tick.
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
+}
+
+/// Copies `from` to `to` while not paused; ends (closing both) at EOF, on
+/// an error or when the proxy stops.
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, st: &ProxyState) {
+    use std::io::{ErrorKind, Read, Write};
+    use std::sync::atomic::Ordering;
+    let _ = from.set_read_timeout(Some(PUMP_TICK));
+    let mut buf = [0u8; 16 * 1024];
+    while !st.stopped.load(Ordering::SeqCst) {
+        if st.paused.load(Ordering::SeqCst) {
+            std::thread::sleep(PUMP_TICK);
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }

@@ -33,10 +33,14 @@ struct Args {
     cluster_n: usize,
     cluster_per_node: usize,
     cluster_allocs: usize,
+    /// Volumes per side of the remote-vs-local attach comparison.
+    attach_n: usize,
+    /// Takeovers per (lease_ttl, stop_after_disconnect) pair.
+    takeover_reps: usize,
     only: Vec<String>,
 }
 
-const SECTIONS: &[&str] = &["overhead", "restart", "fanout", "cluster"];
+const SECTIONS: &[&str] = &["overhead", "restart", "fanout", "cluster", "disconnect"];
 
 impl Args {
     fn runs(&self, section: &str) -> bool {
@@ -58,6 +62,8 @@ fn parse_args() -> Result<Args, String> {
         cluster_n: 100,
         cluster_per_node: 100,
         cluster_allocs: 16,
+        attach_n: 40,
+        takeover_reps: 4,
         only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -94,6 +100,12 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--fanout-delay-ms: {e}"))?
             }
+            "--attach-n" => a.attach_n = val()?.parse().map_err(|e| format!("--attach-n: {e}"))?,
+            "--takeover-reps" => {
+                a.takeover_reps = val()?
+                    .parse()
+                    .map_err(|e| format!("--takeover-reps: {e}"))?
+            }
             "--only" => {
                 for section in val()?.split(',') {
                     if !SECTIONS.contains(&section) {
@@ -107,7 +119,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -121,6 +133,9 @@ fn parse_args() -> Result<Args, String> {
     if a.fanout < 2 {
         return Err("--fanout must be at least 2 (one hung volume and the others)".into());
     }
+    if a.attach_n < 1 || a.takeover_reps < 1 {
+        return Err("--attach-n and --takeover-reps must be at least 1".into());
+    }
     if a.cluster_n < 2 || a.cluster_per_node < 1 || a.cluster_allocs < 1 {
         return Err(
             "--cluster-n must be at least 2, --cluster-per-node and --cluster-allocs at least 1"
@@ -133,11 +148,13 @@ fn parse_args() -> Result<Args, String> {
 mod bare;
 mod cluster;
 mod cluster_support;
+mod disconnect;
 mod fanout;
 mod support;
 
 use bare::*;
 use cluster::*;
+use disconnect::*;
 use fanout::*;
 use support::*;
 
@@ -524,6 +541,24 @@ fn main() {
         } else {
             eprintln!(
                 "claimd-bench: --only cluster needs etcd ({} is missing; --etcd PATH)",
+                args.etcd.display()
+            );
+            std::process::exit(2);
+        }
+    }
+
+    // ---- 7. controller hosts and disconnects on etcd ------------------------
+    if args.runs("disconnect") {
+        if args.etcd.exists() {
+            disconnect(&args, &env, &mut results, &mut table);
+        } else if args.only.is_empty() {
+            table.push((
+                "controller hosts and disconnects (etcd)".into(),
+                format!("skipped: no etcd at {}", args.etcd.display()),
+            ));
+        } else {
+            eprintln!(
+                "claimd-bench: --only disconnect needs etcd ({} is missing; --etcd PATH)",
                 args.etcd.display()
             );
             std::process::exit(2);
