@@ -69,6 +69,29 @@ impl Backoff {
         jitter(base)
     }
 
+    /// Like `wait`, with `sleep(delay)` doing the waiting: it may end early
+    /// (something the caller waits for changed) and returns false when the
+    /// agent stops.
+    pub fn wait_with(
+        &mut self,
+        shutdown: &Shutdown,
+        sleep: &mut dyn FnMut(Duration) -> bool,
+    ) -> Result<(), Interrupted> {
+        if shutdown.is_triggered() {
+            return Err(Interrupted::Shutdown);
+        }
+        let now = Instant::now();
+        if now >= self.deadline {
+            return Err(Interrupted::Deadline);
+        }
+        let delay = self.next_delay().min(self.deadline - now);
+        if sleep(delay) {
+            Ok(())
+        } else {
+            Err(Interrupted::Shutdown)
+        }
+    }
+
     /// Waits for the next attempt. Fails when the deadline would pass first
     /// or the agent stops.
     pub fn wait(&mut self, shutdown: &Shutdown) -> Result<(), Interrupted> {

@@ -117,7 +117,7 @@ fn take(s: &mut StateFile, req: &ClaimRequest) -> Result<(), ClaimError> {
         node: req.node.clone(),
         mode: req.mode,
         access_mode: req.access_mode,
-        external_node_id: None,
+        external_node_id: req.external_node_id.clone(),
         publish_context: BTreeMap::new(),
         state: ClaimState::Taken,
         since_ms: None,
@@ -143,6 +143,7 @@ mod tests {
             node: node.into(),
             mode,
             access_mode: SingleNodeWriter,
+            external_node_id: None,
         }
     }
 

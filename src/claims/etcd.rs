@@ -295,7 +295,7 @@ impl EtcdClaims {
                     node: req.node.clone(),
                     mode: req.mode,
                     access_mode: req.access_mode,
-                    external_node_id: None,
+                    external_node_id: req.external_node_id.clone(),
                     publish_context: Default::default(),
                     state: ClaimState::Taken,
                     since_ms: Some(now_ms()),
@@ -590,6 +590,21 @@ impl ClaimStore for EtcdClaims {
         Some(self)
     }
 
+    fn watch_claims(&self, volume_id: &str) -> Option<Box<dyn super::ClaimWatch>> {
+        let prefix = self.volume_prefix(volume_id);
+        match self.client.watch(
+            prefix.as_bytes(),
+            crate::etcd::prefix_end(prefix.as_bytes()),
+            0,
+        ) {
+            Ok(watcher) => Some(Box::new(ClaimsWatch { watcher })),
+            Err(e) => {
+                log::info!("cluster: no watch on the claims of {volume_id} (retries wait their backoff): {e}");
+                None
+            }
+        }
+    }
+
     fn note_freed_by_hand(&self, claim: &Claim, reason: &str, by: &str) -> Result<(), ClaimError> {
         let note = serde_json::json!({
             "claim": claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
@@ -633,6 +648,35 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// A watch on one volume's claims (`claims/<volume>/`).
+struct ClaimsWatch {
+    watcher: crate::etcd::Watcher,
+}
+
+impl super::ClaimWatch for ClaimsWatch {
+    fn wait(&self, timeout: std::time::Duration, shutdown: &crate::shutdown::Shutdown) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut select = crossbeam_channel::Select::new();
+        let change = select.recv(self.watcher.receiver());
+        select.recv(shutdown.receiver());
+        match select.ready_deadline(deadline) {
+            Ok(i) if i == change => {
+                // Drain what came with it; a watch that ended waits out the
+                // step like a plain backoff.
+                loop {
+                    match self.watcher.recv_timeout(std::time::Duration::ZERO) {
+                        Ok(Some(_)) => {}
+                        Ok(None) => return !shutdown.is_triggered(),
+                        Err(_) => return shutdown.sleep_until(deadline),
+                    }
+                }
+            }
+            Ok(_) => !shutdown.is_triggered() && shutdown.sleep_until(deadline),
+            Err(_) => !shutdown.is_triggered(),
+        }
+    }
 }
 
 /// What the start-up reconciliation found.

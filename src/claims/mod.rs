@@ -41,6 +41,10 @@ pub struct ClaimRequest {
     pub node: String,
     pub mode: ClaimMode,
     pub access_mode: AccessMode,
+    /// The node ID the volume is to be attached to, when the mount will
+    /// attach it: recorded with the claim from the start, so a node that
+    /// dies between the attach and its result can still be detached.
+    pub external_node_id: Option<String>,
 }
 
 /// One change of one claim. Every change is idempotent: applying it again
@@ -147,6 +151,13 @@ impl Applied {
     }
 }
 
+/// See `ClaimStore::watch_claims`.
+pub trait ClaimWatch: Send {
+    /// Waits up to `timeout`, less when the volume's claims change; false
+    /// when the agent stops.
+    fn wait(&self, timeout: std::time::Duration, shutdown: &crate::shutdown::Shutdown) -> bool;
+}
+
 /// Volume registrations shared by every node of a cluster (cluster stores
 /// only; on one node registrations live in the agent's own state).
 pub trait SharedVolumes: Send + Sync {
@@ -177,6 +188,12 @@ pub trait ClaimStore: Send + Sync {
     }
     /// The cluster's shared volume registrations, when the store has them.
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
+        None
+    }
+    /// A watch on one volume's claims, when the store can tell when they
+    /// change (a mount waiting for a held claim retries at once when the
+    /// holder lets go, instead of at its next backoff step).
+    fn watch_claims(&self, _volume_id: &str) -> Option<Box<dyn ClaimWatch>> {
         None
     }
     /// Controller plugins on other nodes, when the store spans nodes.

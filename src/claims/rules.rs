@@ -73,6 +73,7 @@ mod tests {
             node: node.into(),
             mode,
             access_mode: am,
+            external_node_id: None,
         }
     }
 

@@ -119,6 +119,7 @@ impl Core {
 
     pub fn claim_request(&self, alloc_id: &str, rec: &AllocVolume) -> ClaimRequest {
         ClaimRequest {
+            external_node_id: rec.external_node_id.clone(),
             volume_id: rec.volume_id.clone(),
             alloc_id: alloc_id.to_string(),
             node: self.opts.node_name.clone(),

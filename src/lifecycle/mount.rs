@@ -20,7 +20,7 @@ use super::plan::{check_volume_limit, controller_for, ready_plans, ControllerRou
 use super::progress::NotNow;
 use super::release;
 use super::up::{self, Up};
-use crate::claims::{Applied, ClaimChange};
+use crate::claims::{Applied, ClaimChange, ClaimRequest};
 use crate::failpoints;
 use crate::plugins::{PluginKind, WaitError};
 use crate::retry::{Backoff, Interrupted};
@@ -143,7 +143,12 @@ fn record_intent(
     })?;
     let changes = claimed
         .iter()
-        .map(|alias| ClaimChange::Take(core.claim_request(alloc_id, &wanted[alias])))
+        .map(|alias| {
+            let v = &wanted[alias];
+            let mut req = core.claim_request(alloc_id, v);
+            req.external_node_id = plans[&v.plugin_id].attach_node_id();
+            ClaimChange::Take(req)
+        })
         .collect();
     let paths = &core.paths;
     let applied = core.transact(
@@ -535,6 +540,8 @@ fn take_claim(
         alias: alias.to_string(),
         source,
     };
+    // Made at the first refusal (most takes succeed at once).
+    let mut watch: Option<Option<Box<dyn crate::claims::ClaimWatch>>> = None;
     loop {
         // Each attempt runs under the volume's lock and only while the
         // record still waits for its claim: a release that started
@@ -550,7 +557,10 @@ fn take_claim(
                 })?;
             let paths = &core.paths;
             core.transact(
-                vec![ClaimChange::Take(core.claim_request(alloc_id, rec))],
+                vec![ClaimChange::Take(ClaimRequest {
+                    external_node_id: plan.attach_node_id(),
+                    ..core.claim_request(alloc_id, rec)
+                })],
                 &|s| {
                     s.allocs.get(alloc_id).is_some_and(|a| {
                         !a.releasing
@@ -588,7 +598,17 @@ fn take_claim(
                 let msg = format!("{e} (retrying)");
                 log::info!("allocation {alloc_id}: {msg}");
                 core.progress.set_message(alloc_id, alias, Some(msg));
-                match backoff.wait(&core.shutdown) {
+                // Woken early when the volume's claims change (the holder
+                // let go), where the claim store can tell.
+                if watch.is_none() {
+                    watch = Some(core.claims.watch_claims(&rec.volume_id));
+                }
+                let shutdown = &core.shutdown;
+                let mut sleep = |d| match watch.as_ref().and_then(Option::as_ref) {
+                    Some(w) => w.wait(d, shutdown),
+                    None => shutdown.sleep(d),
+                };
+                match backoff.wait_with(shutdown, &mut sleep) {
                     Ok(()) => {}
                     Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),
                     Err(Interrupted::Deadline) => return Err(claim_error(e)),

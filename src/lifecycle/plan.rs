@@ -196,6 +196,11 @@ impl Plan {
         }
     }
 
+    /// The node ID the volume will be attached to, when it will be.
+    pub fn attach_node_id(&self) -> Option<String> {
+        self.controller.then(|| self.node_id.clone())
+    }
+
     /// The intent: moves a record from `claiming` to `mounting` with
     /// everything recovery needs to redo (or undo) the whole way up: the
     /// staging path, the external node ID, and the holds-flags that make

@@ -192,7 +192,7 @@ impl TestClaims {
                         node: req.node.clone(),
                         mode: req.mode,
                         access_mode: req.access_mode,
-                        external_node_id: None,
+                        external_node_id: req.external_node_id.clone(),
                         publish_context: BTreeMap::new(),
                         state: ClaimState::Taken,
                         since_ms: None,
