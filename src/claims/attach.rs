@@ -348,7 +348,9 @@ impl EtcdClaims {
         })
     }
 
-    /// Reads the request until `done` says it is answered, up to `wait`.
+    /// Reads the request until `done` says it is answered, up to `wait`:
+    /// through a watch on its key (each change seen at once), read once
+    /// after the watch started; by polling when no watch can be made.
     fn wait_for<T>(
         &self,
         req: &AttachRequest,
@@ -358,30 +360,70 @@ impl EtcdClaims {
     ) -> Result<T, AttachError> {
         let key = self.attachment_key(&req.volume_id, &req.node);
         let started = Instant::now();
+        let deadline = started + wait;
+        let watcher = self.client().watch(key.as_bytes(), "", 0).ok();
+        let no_answer = || AttachError::NoAnswer {
+            waited: started.elapsed(),
+            hosts: self.describe_hosts(&req.plugin_id),
+        };
         let mut pause = RESULT_POLL_MIN;
+        let mut read = true;
         loop {
-            let kv = self
-                .client()
-                .get(&key)
-                .map_err(|e| AttachError::Store(unavailable(e)))?;
-            let rec = kv
-                .as_ref()
-                .map(parse_attachment)
-                .transpose()
-                .map_err(AttachError::Store)?;
-            if let Some(answer) = done(rec.as_ref()) {
-                return answer;
+            if read {
+                let kv = self
+                    .client()
+                    .get(&key)
+                    .map_err(|e| AttachError::Store(unavailable(e)))?;
+                let rec = kv
+                    .as_ref()
+                    .map(parse_attachment)
+                    .transpose()
+                    .map_err(AttachError::Store)?;
+                if let Some(answer) = done(rec.as_ref()) {
+                    return answer;
+                }
             }
-            if started.elapsed() >= wait {
-                return Err(AttachError::NoAnswer {
-                    waited: started.elapsed(),
-                    hosts: self.describe_hosts(&req.plugin_id),
-                });
+            if Instant::now() >= deadline {
+                return Err(no_answer());
             }
-            if !shutdown.sleep(pause.min(wait.saturating_sub(started.elapsed()))) {
-                return Err(AttachError::Stopping);
+            let Some(w) = &watcher else {
+                if !shutdown.sleep(pause.min(deadline - Instant::now())) {
+                    return Err(AttachError::Stopping);
+                }
+                pause = (pause * 2).min(RESULT_POLL_MAX);
+                continue;
+            };
+            let mut select = crossbeam_channel::Select::new();
+            let change = select.recv(w.receiver());
+            select.recv(shutdown.receiver());
+            match select.ready_deadline(deadline) {
+                Err(_) => return Err(no_answer()),
+                Ok(i) if i != change => return Err(AttachError::Stopping),
+                Ok(_) => {}
             }
-            pause = (pause * 2).min(RESULT_POLL_MAX);
+            // The event carries the new value; a broken watch falls back
+            // to reading.
+            read = false;
+            match w.recv_timeout(Duration::ZERO) {
+                Ok(Some(crate::etcd::WatchEvent::Put(kv))) => {
+                    let rec = parse_attachment(&kv).map_err(AttachError::Store)?;
+                    if let Some(answer) = done(Some(&rec)) {
+                        return answer;
+                    }
+                }
+                Ok(Some(crate::etcd::WatchEvent::Delete(_))) => {
+                    if let Some(answer) = done(None) {
+                        return answer;
+                    }
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    read = true;
+                    if !shutdown.sleep(RESULT_POLL_MAX.min(deadline - Instant::now())) {
+                        return Err(AttachError::Stopping);
+                    }
+                }
+            }
         }
     }
 
