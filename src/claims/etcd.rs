@@ -205,6 +205,10 @@ impl EtcdClaims {
             .name(format!("etcd-mark-{v}"))
             .spawn(move || {
                 let mark = |c: &mut Claim| {
+                    // A late `releasing` never hides a later `node-detached`.
+                    if state == ClaimState::Releasing && c.state == ClaimState::NodeDetached {
+                        return;
+                    }
                     c.state = state;
                     if error.is_some() {
                         c.last_error = error.clone();
