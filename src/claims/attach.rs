@@ -258,6 +258,24 @@ impl EtcdClaims {
         format!("{}/plugins/{plugin_id}/controllers/{node}", self.prefix())
     }
 
+    /// The nodes whose liveness key exists.
+    pub fn alive_nodes(&self) -> Result<std::collections::HashSet<String>, ClaimError> {
+        Ok(self
+            .client()
+            .range_prefix(format!("{}/nodes/", self.prefix()))
+            .map_err(unavailable)?
+            .kvs
+            .iter()
+            .map(|kv| {
+                kv.key_str()
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect())
+    }
+
     /// Every registered controller host, of every plugin.
     pub fn controller_hosts(&self) -> Result<Vec<ControllerHostRecord>, ClaimError> {
         let r = self
@@ -481,20 +499,7 @@ fn failed(rec: &AttachmentRecord) -> AttachError {
 
 impl RemoteControllers for EtcdClaims {
     fn hosts(&self) -> Result<Vec<(ControllerHostRecord, bool)>, ClaimError> {
-        let alive: std::collections::HashSet<String> = self
-            .client()
-            .range_prefix(format!("{}/nodes/", self.prefix()))
-            .map_err(unavailable)?
-            .kvs
-            .iter()
-            .map(|kv| {
-                kv.key_str()
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or_default()
-                    .to_string()
-            })
-            .collect();
+        let alive = self.alive_nodes()?;
         Ok(self
             .controller_hosts()?
             .into_iter()

@@ -418,12 +418,51 @@ impl Work {
         }
     }
 
-    fn try_perform(&self) -> Result<(), ClaimError> {
-        let client = self.claims.client();
-        let unavailable = crate::claims::etcd::unavailable;
-        // Read again under the lock: the requester may have changed it.
-        let Some(kv) = client.get(&self.key).map_err(unavailable)? else {
+    /// The request as it is now, read again under the lock (the requester
+    /// may have changed or withdrawn it); None (lock let go) when gone.
+    fn read_again(&self) -> Result<Option<KeyValue>, ClaimError> {
+        let kv = self
+            .claims
+            .client()
+            .get(&self.key)
+            .map_err(crate::claims::etcd::unavailable)?;
+        if kv.is_none() {
             self.unlock();
+        }
+        Ok(kv)
+    }
+
+    /// Writes the result (`done`) and lets go of the lock, only while the
+    /// request is as it was read and the lock is still this host's.
+    fn finish(&self, read: &KeyValue, done: TxnOp) -> Result<(), ClaimError> {
+        let t = self
+            .claims
+            .client()
+            .txn(
+                &[
+                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, read.mod_revision),
+                    Compare::value(
+                        self.lock.key.clone(),
+                        CompareOp::Equal,
+                        self.lock.value.clone(),
+                    ),
+                ],
+                &[done, TxnOp::delete(self.lock.key.clone())],
+                &[],
+            )
+            .map_err(crate::claims::etcd::unavailable)?;
+        if !t.succeeded {
+            log::info!(
+                "controller host: {} changed or was withdrawn while it was performed; not answered",
+                self.key
+            );
+            self.unlock();
+        }
+        Ok(())
+    }
+
+    fn try_perform(&self) -> Result<(), ClaimError> {
+        let Some(kv) = self.read_again()? else {
             return Ok(());
         };
         let mut rec = parse_attachment(&kv)?;
@@ -472,29 +511,7 @@ impl Work {
                 put(&self.key, &rec)
             }
         };
-        // Only while the request is as it was read and the lock is ours.
-        let t = client
-            .txn(
-                &[
-                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, kv.mod_revision),
-                    Compare::value(
-                        self.lock.key.clone(),
-                        CompareOp::Equal,
-                        self.lock.value.clone(),
-                    ),
-                ],
-                &[done_op, TxnOp::delete(self.lock.key.clone())],
-                &[],
-            )
-            .map_err(unavailable)?;
-        if !t.succeeded {
-            log::info!(
-                "controller host: {} changed while it was performed; it is looked at again",
-                self.key
-            );
-            self.unlock();
-        }
-        Ok(())
+        self.finish(&kv, done_op)
     }
 
     /// The controller call; the publish context, or the error and whether
@@ -552,10 +569,7 @@ impl Work {
     }
 
     fn try_perform_call(&self) -> Result<(), ClaimError> {
-        let client = self.claims.client();
-        let unavailable = crate::claims::etcd::unavailable;
-        let Some(kv) = client.get(&self.key).map_err(unavailable)? else {
-            self.unlock();
+        let Some(kv) = self.read_again()? else {
             return Ok(());
         };
         let mut rec = parse_call(&kv)?;
@@ -609,28 +623,7 @@ impl Work {
             }
         }
         let value = serde_json::to_vec(&rec).expect("a call always encodes");
-        let t = client
-            .txn(
-                &[
-                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, kv.mod_revision),
-                    Compare::value(
-                        self.lock.key.clone(),
-                        CompareOp::Equal,
-                        self.lock.value.clone(),
-                    ),
-                ],
-                &[
-                    TxnOp::put(self.key.clone(), value),
-                    TxnOp::delete(self.lock.key.clone()),
-                ],
-                &[],
-            )
-            .map_err(unavailable)?;
-        if !t.succeeded {
-            // Withdrawn by the requester meanwhile (it gave up waiting).
-            self.unlock();
-        }
-        Ok(())
+        self.finish(&kv, TxnOp::put(self.key.clone(), value))
     }
 
     /// Lets go of the lock (only this host's: compared by value).

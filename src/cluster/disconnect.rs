@@ -19,7 +19,7 @@
 //! A node without the rule keeps its claims and mounts however long it is
 //! cut off.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -201,19 +201,7 @@ impl Rule {
             self.gone_since.clear();
             return Ok(());
         }
-        let alive: HashSet<String> = client
-            .range_prefix(format!("{prefix}/nodes/"))
-            .map_err(unavailable)?
-            .kvs
-            .iter()
-            .map(|kv| {
-                kv.key_str()
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or_default()
-                    .to_string()
-            })
-            .collect();
+        let alive = claims.alive_nodes()?;
         self.gone_since
             .retain(|n, _| windows.contains_key(n) && !alive.contains(n));
         for (node, window) in windows {
