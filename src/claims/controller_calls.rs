@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::attach::{now_ms, AttachError, AttachState};
 use super::etcd::{unavailable, EtcdClaims};
+use super::remote::{now_ms, AttachError, AttachState};
 use super::ClaimError;
 use crate::etcd::{Compare, KeyValue, TxnOp};
 use crate::shutdown::Shutdown;

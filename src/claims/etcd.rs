@@ -66,7 +66,7 @@ pub struct EtcdClaims {
     /// known since a restart).
     known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
     /// Which plugins have a controller host, as last read, and when.
-    pub(super) controllers: super::attach::ControllerCache,
+    pub(super) controllers: super::remote::ControllerCache,
     /// This node's name (requests it forwards name it).
     node: String,
 }

@@ -22,15 +22,16 @@ pub mod attach;
 pub mod controller_calls;
 mod embedded;
 pub mod etcd;
+pub mod remote;
 mod rules;
 
 pub use crate::state::{Claim, ClaimMode, ClaimState};
-pub use attach::{
+pub use embedded::EmbeddedClaims;
+pub use etcd::EtcdClaims;
+pub use remote::{
     AttachError, AttachRequest, ControllerHostRecord, NodeDetach, RemoteController,
     RemoteControllers,
 };
-pub use embedded::EmbeddedClaims;
-pub use etcd::EtcdClaims;
 pub use rules::check_claim;
 
 /// What a take asks for.

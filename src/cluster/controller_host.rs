@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::liveness::NodeLiveness;
-use crate::claims::attach::{
+use crate::claims::controller_calls::{from_hex, parse_call, to_hex};
+use crate::claims::remote::{
     now_ms, parse_attachment, AttachState, AttachmentRecord, ControllerHostRecord, Want,
 };
-use crate::claims::controller_calls::{from_hex, parse_call, to_hex};
 use crate::claims::{ClaimError, EtcdClaims, SharedVolumes};
 use crate::etcd::{prefix_end, Compare, CompareOp, KeyValue, LeaseId, TxnOp, Watcher};
 use crate::plugins::{PluginKind, PluginSnapshot, Registry};
