@@ -35,7 +35,7 @@ use super::*;
 /// Volumes per side and turn of the ABBA comparison.
 const ABBA_BLOCK: usize = 10;
 /// (lease_ttl, stop_after_disconnect) pairs of the takeover, in seconds.
-const TAKEOVER_PAIRS: [(u64, u64); 3] = [(2, 2), (3, 5), (5, 2)];
+const TAKEOVER_PAIRS: [(u64, u64); 3] = [(2, 2), (3, 5), (5, 5)];
 /// Longest wait for a host's announcement, a liveness key, a release.
 const SHOW_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest wait for a takeover (T + D plus the waiting mount's backoff,
