@@ -60,7 +60,7 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
       call_timeout          {etcd_call} (every etcd call)
       attach_timeout        {attach} (one attach/detach request through a
                             controller host on another node)
-      stop_after_disconnect off; a duration: release this node's
+      stop_after_disconnect off; a duration (at least lease_ttl): release this node's
                             allocations when its lease cannot be renewed
                             that long, and let the cluster detach and free
                             its claims once its lease is gone that long
