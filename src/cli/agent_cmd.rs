@@ -60,10 +60,11 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
       call_timeout          {etcd_call} (every etcd call)
       attach_timeout        {attach} (one attach/detach request through a
                             controller host on another node)
-      stop_after_disconnect off; a duration (at least lease_ttl): release this node's
-                            allocations when its lease cannot be renewed
-                            that long, and let the cluster detach and free
-                            its claims once its lease is gone that long
+      stop_after_disconnect off; a duration, at least lease_ttl:
+                            release this node's allocations when its
+                            lease cannot be renewed that long, and let
+                            the cluster detach and free its claims once
+                            its lease is gone that long
       tls                   {{\"ca\", \"cert\", \"key\"}} PEM paths (builds
                             with the `tls` feature)
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
