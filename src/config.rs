@@ -648,6 +648,15 @@ mod tests {
         assert_eq!(m.metrics_listen, Some("[::1]:9432".parse().expect("addr")));
         assert_eq!(m.volume_stats_interval, Duration::from_secs(5));
         assert_eq!(c.timeouts.mount_retry_deadline, Duration::from_secs(45));
+        let cl = parse(
+            r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"3s",
+                "stop_after_disconnect":"3s","attach_timeout":"20s"}}"#,
+        )
+        .expect("valid")
+        .cluster
+        .expect("a cluster section");
+        assert_eq!(cl.stop_after_disconnect, Some(Duration::from_secs(3)));
+        assert_eq!(cl.attach_timeout, Duration::from_secs(20));
         let d = parse("{}").expect("defaults");
         assert_eq!(
             d.timeouts.mount_retry_deadline,
@@ -683,6 +692,14 @@ mod tests {
             (r#"{"metrics_listen":"127.0.0.1"}"#, "metrics_listen"),
             (r#"{"metrics_listen":"127.0.0.1:0"}"#, "metrics_listen"),
             (r#"{"volume_stats_interval":"0s"}"#, "volume_stats_interval"),
+            (
+                r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"stop_after_disconnect":"5s"}}"#,
+                "cluster.stop_after_disconnect",
+            ),
+            (
+                r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"attach_timeout":"0s"}}"#,
+                "cluster.attach_timeout",
+            ),
             (
                 r#"{"mount_retry_deadline":"forever"}"#,
                 "mount_retry_deadline",
