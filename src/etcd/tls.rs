@@ -175,6 +175,10 @@ impl TlsOptions {
     pub(crate) fn credentials(&self) -> Result<TlsMaterial, EtcdError> {
         // Still check the files, so that a wrong path is named even here.
         read(&self.ca, PemKind::Certificate)?;
+        if let Some(id) = &self.identity {
+            read(&id.cert, PemKind::Certificate)?;
+            read(&id.key, PemKind::PrivateKey)?;
+        }
         Err(EtcdError::TlsNotBuilt)
     }
 }
