@@ -69,6 +69,9 @@ pub struct Etcd {
     peer_port: u16,
     /// TLS on the client URL; none: plain http.
     tls: Option<EtcdTls>,
+    /// Where the current process's lines start in the log (restarts
+    /// append to it).
+    log_start: usize,
 }
 
 impl Etcd {
@@ -98,6 +101,7 @@ impl Etcd {
                 client_port: free_port(),
                 peer_port: free_port(),
                 tls: tls.clone(),
+                log_start: 0,
             };
             if etcd.client_port == etcd.peer_port {
                 continue;
@@ -131,6 +135,7 @@ impl Etcd {
             .append(true)
             .open(self.log_path())
             .expect("open the etcd log");
+        self.log_start = fs::metadata(self.log_path()).map_or(0, |m| m.len() as usize);
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut cmd = Command::new(bin);
@@ -163,8 +168,9 @@ impl Etcd {
         self.child = Some(child);
     }
 
-    /// Polls with a read until the member answers; false if it exits or
-    /// does not answer within `ETCD_START_TIMEOUT`.
+    /// Polls with a read until the member answers and its log says it is
+    /// the one serving the port; false if it exits or does not answer
+    /// within `ETCD_START_TIMEOUT`.
     fn wait_ready(&mut self) -> bool {
         let client = EtcdClient::connect(&[self.endpoint()], self.options(Duration::from_secs(1)))
             .expect("a valid endpoint");
@@ -175,12 +181,24 @@ impl Etcd {
                     return false;
                 }
             }
-            if client.get("/claimd-test/ready").is_ok() {
+            if client.get("/claimd-test/ready").is_ok() && self.serves_clients() {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         false
+    }
+
+    /// Whether this member's log says it serves clients on its port. A read
+    /// that works is not enough: other test runs on the machine start
+    /// members too, and one of them may have taken the port between
+    /// `free_port` and this member's bind (this one then exits, and the read
+    /// is answered by theirs).
+    fn serves_clients(&self) -> bool {
+        let line = format!("client requests on 127.0.0.1:{}", self.client_port);
+        fs::read(self.log_path()).is_ok_and(|log| {
+            String::from_utf8_lossy(log.get(self.log_start..).unwrap_or_default()).contains(&line)
+        })
     }
 
     /// `http://127.0.0.1:<client port>` (`https://` with TLS).
