@@ -151,9 +151,21 @@ impl Agent {
             Some(c) => {
                 let client = connect_etcd(c).map_err(AgentError::Cluster)?;
                 log::info!(
-                    "cluster mode: claims in etcd under {} ({})",
+                    "cluster mode: claims in etcd under {} ({}){}",
                     c.prefix,
-                    c.endpoints.join(", ")
+                    c.endpoints.join(", "),
+                    match &c.tls {
+                        None => String::new(),
+                        // Paths only: the files' contents are never logged.
+                        Some(t) => format!(
+                            ", TLS: CA {}{}",
+                            t.ca.display(),
+                            t.cert
+                                .as_ref()
+                                .map(|p| format!(", client certificate {}", p.display()))
+                                .unwrap_or_default()
+                        ),
+                    }
                 );
                 let etcd_claims = Arc::new(
                     EtcdClaims::new(client.clone(), &c.prefix, store.clone())

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::etcd::endpoint::Scheme;
+
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
 pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
@@ -343,9 +345,24 @@ impl Config {
                     ));
                 }
                 for (i, e) in c.endpoints.iter().enumerate() {
-                    crate::etcd::endpoint::parse_endpoint(e).map_err(|err| {
-                        field_err(&format!("cluster.endpoints[{i}]"), err.to_string())
-                    })?;
+                    let field = format!("cluster.endpoints[{i}]");
+                    let (_, scheme) = crate::etcd::endpoint::parse_endpoint(e)
+                        .map_err(|err| field_err(&field, err.to_string()))?;
+                    match (scheme, c.tls.is_some()) {
+                        (Scheme::Https, false) => {
+                            return Err(field_err(
+                                &field,
+                                format!("{e} uses TLS: it needs a cluster.tls section, at least the CA (\"ca\": \"/abs/ca.pem\")"),
+                            ))
+                        }
+                        (Scheme::Http, true) => {
+                            return Err(field_err(
+                                &field,
+                                format!("{e} is plain TCP but cluster.tls is set: write https://{} (or host:port)", e.trim().trim_start_matches("http://")),
+                            ))
+                        }
+                        _ => {}
+                    }
                 }
                 let prefix = c
                     .prefix
@@ -374,6 +391,12 @@ impl Config {
                 }
                 let tls = match c.tls {
                     None => None,
+                    Some(_) if !cfg!(feature = "tls") => {
+                        return Err(field_err(
+                            "cluster.tls",
+                            "this claimd is built without TLS (cargo feature `tls`)".into(),
+                        ))
+                    }
                     Some(t) => {
                         check_abs(&t.ca).map_err(|e| field_err("cluster.tls.ca", e))?;
                         for (f, p) in [("cluster.tls.cert", &t.cert), ("cluster.tls.key", &t.key)] {
@@ -729,6 +752,79 @@ mod tests {
             assert!(msg.contains(needle), "{text}: {msg}");
             assert!(msg.contains("/etc/claimd/config.json"), "{msg}");
         }
+    }
+
+    /// The first error of `text`, with its causes.
+    fn error_text(text: &str) -> String {
+        crate::error_chain(&parse(text).expect_err(text))
+    }
+
+    #[test]
+    fn endpoint_schemes_must_match_the_tls_section() {
+        let e = error_text(r#"{"cluster":{"endpoints":["https://10.0.0.5:2379"]}}"#);
+        assert!(
+            e.contains("cluster.endpoints[0]")
+                && e.contains("https://10.0.0.5:2379 uses TLS: it needs a cluster.tls section"),
+            "{e}"
+        );
+        let e = error_text(
+            r#"{"cluster":{"endpoints":["10.0.0.5:2379","http://10.0.0.6:2379"],
+                "tls":{"ca":"/etc/claimd/etcd-ca.pem"}}}"#,
+        );
+        assert!(
+            e.contains("cluster.endpoints[1]")
+                && e.contains("is plain TCP but cluster.tls is set: write https://10.0.0.6:2379"),
+            "{e}"
+        );
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn tls_section() {
+        let c = parse(
+            r#"{"cluster":{"endpoints":["https://10.0.0.5:2379","10.0.0.6:2379"],
+                "tls":{"ca":"/etc/claimd/etcd-ca.pem","cert":"/etc/claimd/node.pem",
+                       "key":"/etc/claimd/node.key"}}}"#,
+        )
+        .expect("valid");
+        let tls = c.cluster.expect("cluster mode").tls;
+        assert_eq!(
+            tls,
+            Some(ClusterTls {
+                ca: "/etc/claimd/etcd-ca.pem".into(),
+                cert: Some("/etc/claimd/node.pem".into()),
+                key: Some("/etc/claimd/node.key".into()),
+            })
+        );
+        for (tls, needle) in [
+            (r#"{"ca":"ca.pem"}"#, "cluster.tls.ca"),
+            (
+                r#"{"ca":"/ca.pem","cert":"/c.pem"}"#,
+                "cert and key go together",
+            ),
+            (
+                r#"{"ca":"/ca.pem","cert":"/c.pem","key":"k"}"#,
+                "cluster.tls.key",
+            ),
+            (r#"{"cert":"/c.pem","key":"/k"}"#, "ca"),
+        ] {
+            let text = format!(r#"{{"cluster":{{"endpoints":["https://h:1"],"tls":{tls}}}}}"#);
+            let e = error_text(&text);
+            assert!(e.contains(needle), "{tls}: {e}");
+        }
+    }
+
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn a_tls_section_needs_the_tls_build() {
+        let e = error_text(
+            r#"{"cluster":{"endpoints":["https://10.0.0.5:2379"],
+                "tls":{"ca":"/etc/claimd/etcd-ca.pem"}}}"#,
+        );
+        assert!(
+            e.contains("cluster.tls") && e.contains("built without TLS"),
+            "{e}"
+        );
     }
 
     #[test]

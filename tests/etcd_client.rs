@@ -719,6 +719,12 @@ fn bad_endpoints_give_clear_errors() {
 #[test]
 fn tls_settings_need_the_tls_build() {
     let ca = tempfile::NamedTempFile::new().expect("a CA file");
+    // PEM-shaped: the files are checked before the build is.
+    std::fs::write(
+        ca.path(),
+        "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+    )
+    .expect("write the CA file");
     let r = EtcdClient::connect(
         &["127.0.0.1:2379".to_string()],
         EtcdOptions {

@@ -11,13 +11,17 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-# Set-up: grpcio's C core builds with cmake and a C++ compiler; the restart
+# Set-up: grpcio's C core builds with cmake and a C++ compiler, and with
+# the `tls` feature links the system OpenSSL (libssl-dev); the restart
 # scripts use jq and findmnt; tests/etcd_client.rs starts throwaway members
 # of Debian's etcd (package etcd-server: it starts no daemon of its own here,
-# and the tests never use a default instance).
+# and the tests never use a default instance); tests/cluster_tls.rs makes
+# its certificates with the openssl CLI.
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
+[ -f /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
+command -v openssl >/dev/null || need+=(openssl)
 command -v jq >/dev/null || need+=(jq)
 command -v findmnt >/dev/null || need+=(util-linux)
 [ -x /usr/bin/etcd ] || need+=(etcd-server)
@@ -30,13 +34,16 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 cargo fmt --all -- --check
-# Both builds must be clean: the shipped one and the one with failpoints.
-cargo clippy --locked --all-targets -- -D warnings
-cargo clippy --locked --all-targets --features failpoints -- -D warnings
+# Every cargo command builds with `tls` (TLS to etcd), so that grpcio-sys's
+# C core, the longest part of the build, is built once with one feature set
+# and the TLS code and tests/cluster_tls.rs are checked and run. Both builds
+# must be clean: the shipped one (plus tls) and the one with failpoints.
+cargo clippy --locked --all-targets --features tls -- -D warnings
+cargo clippy --locked --all-targets --features tls,failpoints -- -D warnings
 # The restart scripts (tests/restart/*.sh, run by tests/restart.rs) kill the
 # agent at named failpoints, which only a `failpoints` build has.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --locked --features failpoints 2>&1 | tee "$log"
+cargo test --locked --features tls,failpoints 2>&1 | tee "$log"
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"

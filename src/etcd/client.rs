@@ -19,7 +19,7 @@ use grpcio::{CallOption, Channel, ChannelBuilder, ConnectivityState, Environment
 use super::endpoint::{parse_endpoint, Scheme};
 use super::grpc::{KVClient as KvClient, LeaseClient, WatchClient};
 use super::kv::{prefix_end, DeleteResponse, KeyValue, LeaseId, PutResponse, RangeResponse};
-use super::tls::TlsOptions;
+use super::tls::{closed_after_handshake, TlsOptions};
 use super::txn::{delete_request, put_request, range_request, Compare, TxnOp, TxnResponse};
 use super::worker::StopSignal;
 use super::EtcdError;
@@ -88,7 +88,43 @@ impl Endpoint {
             state = self.channel.check_connectivity_state(true);
         }
     }
+
+    /// Why the channel failed to connect, in gRPC's words ("Connection
+    /// refused", "Ssl handshake failed: … certificate verify failed"); None
+    /// while it is not in TRANSIENT_FAILURE (still connecting, say).
+    ///
+    /// gRPC keeps the last connection error only in the status of the calls
+    /// it fails: on a channel in TRANSIENT_FAILURE a fail-fast call fails at
+    /// once, before anything is sent. The probe is a read, so a channel that
+    /// connects in between gets a harmless Range.
+    fn failure_reason(&self) -> Option<String> {
+        if self.channel.check_connectivity_state(false)
+            != ConnectivityState::GRPC_CHANNEL_TRANSIENT_FAILURE
+        {
+            return None;
+        }
+        let req = range_request(FAILURE_PROBE_KEY, b"");
+        match self
+            .kv
+            .range(&req, CallOption::default().timeout(FAILURE_PROBE_TIMEOUT))
+        {
+            Err(grpcio::Error::RpcFailure(s)) if s.code() == RpcStatusCode::UNAVAILABLE => {
+                let m = s.message();
+                let m = m
+                    .strip_prefix("failed to connect to all addresses; last error: ")
+                    .unwrap_or(m);
+                (!m.is_empty()).then(|| m.to_string())
+            }
+            _ => None,
+        }
+    }
 }
+
+/// The key `failure_reason` reads, should its probe reach etcd.
+const FAILURE_PROBE_KEY: &[u8] = b"\0claimd-connection-probe";
+/// How long `failure_reason` waits: a failed channel answers at once; only
+/// one that connected meanwhile sends the read.
+const FAILURE_PROBE_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// A reconnecting channel retries at most this far apart, so that a
 /// restarted member is used again within about a second.
@@ -99,6 +135,9 @@ pub(crate) struct Inner {
     /// The endpoint that last worked: calls start there.
     current: AtomicUsize,
     pub(crate) call_timeout: Duration,
+    /// What a connection closed right after the TLS handshake may mean for
+    /// this client's settings; None without TLS.
+    tls_hint: Option<&'static str>,
     // Keeps the completion-queue threads alive as long as the channels.
     _env: Arc<Environment>,
 }
@@ -120,6 +159,7 @@ impl Inner {
         let n = self.endpoints.len();
         let first = self.current.load(Ordering::Relaxed);
         let mut last = None;
+        let mut connect_error = None;
         for k in 0..n {
             let i = (first + k) % n;
             let ep = &self.endpoints[i];
@@ -130,7 +170,16 @@ impl Inner {
             // Each endpoint left gets an equal share of the time left.
             let share = (deadline - now) / u32::try_from(n - k).unwrap_or(u32::MAX);
             if !ep.connect_by(now + share, stop) {
-                log::debug!("etcd {method}: {} did not connect", ep.name);
+                let reason = ep.failure_reason();
+                log::debug!(
+                    "etcd {method}: {} did not connect{}",
+                    ep.name,
+                    reason
+                        .as_deref()
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default()
+                );
+                connect_error = reason.or(connect_error);
                 continue;
             }
             let started = Instant::now();
@@ -168,6 +217,10 @@ impl Inner {
             method,
             endpoints: self.endpoints.iter().map(|e| e.name.clone()).collect(),
             timeout: self.call_timeout,
+            hint: self
+                .tls_hint
+                .filter(|_| connect_error.as_deref().is_some_and(closed_after_handshake)),
+            connect_error,
         }))
     }
 
@@ -280,6 +333,7 @@ impl EtcdClient {
                 endpoints,
                 current: AtomicUsize::new(0),
                 call_timeout: options.call_timeout,
+                tls_hint: options.tls.as_ref().map(TlsOptions::closed_hint),
                 _env: env,
             }),
         })

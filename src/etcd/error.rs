@@ -31,12 +31,25 @@ pub enum EtcdError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A certificate or key file that is not PEM of the kind it should be.
+    /// The reason never quotes the file's contents.
+    TlsNotPem {
+        path: PathBuf,
+        kind: &'static str,
+        reason: String,
+    },
     /// No endpoint could be connected to before the call's deadline (each
     /// refused, failed recently, or did not finish connecting in time).
     Unreachable {
         method: &'static str,
         endpoints: Vec<String>,
         timeout: Duration,
+        /// The last connection error gRPC gave ("Connection refused", a
+        /// failed TLS handshake), when one failed rather than timed out.
+        connect_error: Option<String>,
+        /// What the connection error may mean for this client's settings
+        /// (a TLS client whose certificate etcd does not accept).
+        hint: Option<&'static str>,
     },
     /// etcd answered with a gRPC status other than OK. UNAVAILABLE covers
     /// "no leader" and a connection lost mid-call; DEADLINE_EXCEEDED a call
@@ -169,16 +182,30 @@ impl fmt::Display for EtcdError {
             EtcdError::TlsFile { path, .. } => {
                 write!(f, "failed to read TLS file {}", path.display())
             }
+            EtcdError::TlsNotPem { path, kind, reason } => write!(
+                f,
+                "TLS file {} is not a PEM {kind}: {reason}",
+                path.display()
+            ),
             EtcdError::Unreachable {
                 method,
                 endpoints,
                 timeout,
-            } => write!(
-                f,
-                "etcd {method} failed: no endpoint of {} could be connected to \
-                 within the {timeout:?} call deadline",
-                endpoints.join(",")
-            ),
+                connect_error,
+                hint,
+            } => {
+                write!(
+                    f,
+                    "etcd {method} failed: no endpoint of {} could be connected to \
+                     within the {timeout:?} call deadline",
+                    endpoints.join(",")
+                )?;
+                match (connect_error, hint) {
+                    (Some(e), Some(h)) => write!(f, " (last connection error: {e}; {h})"),
+                    (Some(e), None) => write!(f, " (last connection error: {e})"),
+                    _ => Ok(()),
+                }
+            }
             EtcdError::Status {
                 method,
                 endpoint,
@@ -262,7 +289,9 @@ mod tests {
         assert!(EtcdError::Unreachable {
             method: "Range",
             endpoints: vec![],
-            timeout: Duration::from_secs(1)
+            timeout: Duration::from_secs(1),
+            connect_error: None,
+            hint: None,
         }
         .is_retryable());
         assert!(!EtcdError::NoEndpoints.is_retryable());

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use claimd::etcd::{EtcdClient, EtcdOptions};
+use claimd::etcd::{ClientIdentity, EtcdClient, EtcdOptions, TlsOptions};
 
 /// The etcd binary; `CLAIMD_TEST_ETCD` overrides it.
 pub fn etcd_binary() -> PathBuf {
@@ -34,6 +34,32 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// TLS on a member's client URL (`Etcd::start_tls`): its certificate and
+/// key, the CA that signed them (and the client certificates), and whether
+/// it asks clients for a certificate. PEM files.
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    /// The CA that signed `cert` (and the client certificates).
+    pub ca: PathBuf,
+    /// The member's certificate (for 127.0.0.1) and key.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// `--client-cert-auth` (and `--trusted-ca-file` with `ca`), with this
+    /// identity for the harness's own clients; `None`: any client that
+    /// trusts the CA is served.
+    pub client: Option<ClientIdentity>,
+}
+
+impl EtcdTls {
+    /// The client settings of the harness's own clients.
+    pub fn client_options(&self) -> TlsOptions {
+        TlsOptions {
+            ca: self.ca.clone(),
+            identity: self.client.clone(),
+        }
+    }
+}
+
 /// One etcd member, killed on drop.
 pub struct Etcd {
     child: Option<Child>,
@@ -41,11 +67,27 @@ pub struct Etcd {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    /// TLS on the client URL; none: plain http.
+    tls: Option<EtcdTls>,
+    /// Where the current process's lines start in the log (restarts
+    /// append to it).
+    log_start: usize,
 }
 
 impl Etcd {
     /// Starts a member and waits until it answers a read.
     pub fn start() -> Etcd {
+        Self::start_with(None)
+    }
+
+    /// Starts a member that serves clients over TLS only (`https://`;
+    /// peers stay on plain http) and waits until it answers a read through
+    /// a TLS client.
+    pub fn start_tls(tls: EtcdTls) -> Etcd {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<EtcdTls>) -> Etcd {
         // Another process may take a port between the probe and etcd's
         // bind: try a few pairs.
         let mut last_log = String::new();
@@ -58,6 +100,8 @@ impl Etcd {
                     .expect("create a temporary directory"),
                 client_port: free_port(),
                 peer_port: free_port(),
+                tls: tls.clone(),
+                log_start: 0,
             };
             if etcd.client_port == etcd.peer_port {
                 continue;
@@ -91,9 +135,24 @@ impl Etcd {
             .append(true)
             .open(self.log_path())
             .expect("open the etcd log");
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        self.log_start = fs::metadata(self.log_path()).map_or(0, |m| m.len() as usize);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key);
+            // etcd 3.4 asks every client for a certificate once it has a
+            // trusted CA, --client-cert-auth or not: give it one only then.
+            if tls.client.is_some() {
+                cmd.arg("--trusted-ca-file")
+                    .arg(&tls.ca)
+                    .arg("--client-cert-auth");
+            }
+        }
+        let child = cmd
             .args(["--name", "t", "--data-dir"])
             .arg(self.data_dir())
             .args(["--listen-client-urls", &client])
@@ -109,17 +168,12 @@ impl Etcd {
         self.child = Some(child);
     }
 
-    /// Polls with a read until the member answers; false if it exits or
-    /// does not answer within `ETCD_START_TIMEOUT`.
+    /// Polls with a read until the member answers and its log says it is
+    /// the one serving the port; false if it exits or does not answer
+    /// within `ETCD_START_TIMEOUT`.
     fn wait_ready(&mut self) -> bool {
-        let client = EtcdClient::connect(
-            &[self.endpoint()],
-            EtcdOptions {
-                call_timeout: Duration::from_secs(1),
-                ..EtcdOptions::default()
-            },
-        )
-        .expect("a valid endpoint");
+        let client = EtcdClient::connect(&[self.endpoint()], self.options(Duration::from_secs(1)))
+            .expect("a valid endpoint");
         let start = Instant::now();
         while start.elapsed() < ETCD_START_TIMEOUT {
             if let Some(child) = self.child.as_mut() {
@@ -127,7 +181,7 @@ impl Etcd {
                     return false;
                 }
             }
-            if client.get("/claimd-test/ready").is_ok() {
+            if client.get("/claimd-test/ready").is_ok() && self.serves_clients() {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -135,9 +189,36 @@ impl Etcd {
         false
     }
 
-    /// `http://127.0.0.1:<client port>`.
+    /// Whether this member's log says it serves clients on its port. A read
+    /// that works is not enough: other test runs on the machine start
+    /// members too, and one of them may have taken the port between
+    /// `free_port` and this member's bind (this one then exits, and the read
+    /// is answered by theirs).
+    fn serves_clients(&self) -> bool {
+        let line = format!("client requests on 127.0.0.1:{}", self.client_port);
+        fs::read(self.log_path()).is_ok_and(|log| {
+            String::from_utf8_lossy(log.get(self.log_start..).unwrap_or_default()).contains(&line)
+        })
+    }
+
+    /// `http://127.0.0.1:<client port>` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The TLS settings the member was started with.
+    pub fn tls(&self) -> Option<&EtcdTls> {
+        self.tls.as_ref()
+    }
+
+    /// The options of the harness's clients: `call_timeout`, and TLS (with
+    /// the harness's identity) when the member has it.
+    pub fn options(&self, call_timeout: Duration) -> EtcdOptions {
+        EtcdOptions {
+            call_timeout,
+            tls: self.tls.as_ref().map(EtcdTls::client_options),
+        }
     }
 
     pub fn client_port(&self) -> u16 {
@@ -150,14 +231,8 @@ impl Etcd {
     }
 
     pub fn client_with(&self, call_timeout: Duration) -> EtcdClient {
-        EtcdClient::connect(
-            &[self.endpoint()],
-            EtcdOptions {
-                call_timeout,
-                ..EtcdOptions::default()
-            },
-        )
-        .expect("connect to the test etcd")
+        EtcdClient::connect(&[self.endpoint()], self.options(call_timeout))
+            .expect("connect to the test etcd")
     }
 
     /// Kills the member (SIGKILL) and reaps it; its data stays.
