@@ -188,6 +188,11 @@ impl Agent {
                     &config.node_name,
                     c.lease_ttl,
                     shutdown.clone(),
+                    vec![crate::cluster::settings_entry(
+                        &c.prefix,
+                        &config.node_name,
+                        c.stop_after_disconnect,
+                    )],
                     Box::new(move || {
                         match reconciler.reconcile(&node, &root, started_ms) {
                             Ok(r) => {

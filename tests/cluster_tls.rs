@@ -350,6 +350,7 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
         keys(&etcd),
         [
             claim_key.clone(),
+            format!("{PREFIX}/node-settings/a"),
             format!("{PREFIX}/nodes/a"),
             format!("{PREFIX}/volumes/v"),
         ]
@@ -360,7 +361,11 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
     assert!(n.mounts().is_empty(), "{:?}", n.mounts());
     assert_eq!(
         keys(&etcd),
-        [format!("{PREFIX}/nodes/a"), format!("{PREFIX}/volumes/v")]
+        [
+            format!("{PREFIX}/node-settings/a"),
+            format!("{PREFIX}/nodes/a"),
+            format!("{PREFIX}/volumes/v")
+        ]
     );
     // The key's contents never reach the log, even at debug level.
     let log = n.agent.log();

@@ -7,7 +7,8 @@
 //!   side (NodeUnpublish, NodeUnstage) is done at once; the controller
 //!   detach and the claims follow when etcd answers again.
 //! - **Other nodes**: each node writes its own setting to
-//!   `<prefix>/node-settings/<node>`. When a node with the rule set has had
+//!   `<prefix>/node-settings/<node>` (durable, with each registration of its
+//!   liveness: `settings_entry`). When a node with the rule set has had
 //!   no liveness key for that long (measured here, from when this agent
 //!   first saw it gone: the floor is the lease TTL plus the window after
 //!   its last renewal), the agent that takes `<prefix>/reaper-locks/<node>`
@@ -43,6 +44,18 @@ pub struct NodeSettings {
     pub stop_after_disconnect_ms: Option<u64>,
 }
 
+/// The durable key and value of this node's settings, written with each
+/// registration of its liveness.
+pub fn settings_entry(prefix: &str, node: &str, window: Option<Duration>) -> (String, Vec<u8>) {
+    let value = NodeSettings {
+        stop_after_disconnect_ms: window.map(|w| w.as_millis() as u64),
+    };
+    (
+        format!("{}/node-settings/{node}", prefix.trim_end_matches('/')),
+        serde_json::to_vec(&value).expect("settings always encode"),
+    )
+}
+
 pub struct DisconnectRule {
     threads: Mutex<Option<Threads>>,
 }
@@ -68,7 +81,6 @@ impl DisconnectRule {
             parts,
             started: Instant::now(),
             released: false,
-            settings_written: false,
             gone_since: HashMap::new(),
         };
         threads.spawn("disconnect-rule", move || {
@@ -96,7 +108,6 @@ struct Rule {
     started: Instant,
     /// This node released its allocations during the current disconnect.
     released: bool,
-    settings_written: bool,
     /// Nodes seen without a liveness key, since when (this agent's clock).
     gone_since: HashMap<String, Instant>,
 }
@@ -107,9 +118,6 @@ impl Rule {
         let Some(lease) = self.parts.liveness.status().lease else {
             return;
         };
-        if !self.settings_written {
-            self.write_settings();
-        }
         if let Err(e) = self.other_nodes(lease) {
             log::warn!("cluster: disconnect rule: cannot look at the other nodes: {e}");
         }
@@ -150,25 +158,6 @@ impl Rule {
                 Ok(_) => log::warn!("allocation {a}: {DISCONNECT_RELEASE_REASON} from etcd"),
                 Err(e) => log::error!("allocation {a}: cannot be released: {e}"),
             }
-        }
-    }
-
-    fn write_settings(&mut self) {
-        let key = format!(
-            "{}/node-settings/{}",
-            self.parts.claims.prefix(),
-            self.parts.node
-        );
-        let value = NodeSettings {
-            stop_after_disconnect_ms: self.parts.window.map(|w| w.as_millis() as u64),
-        };
-        let value = serde_json::to_vec(&value).expect("settings always encode");
-        match self.parts.claims.client().put(key, value) {
-            Ok(_) => self.settings_written = true,
-            Err(e) => log::warn!(
-                "cluster: cannot write this node's settings: {}",
-                crate::error_chain(&e)
-            ),
         }
     }
 

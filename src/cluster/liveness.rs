@@ -59,6 +59,7 @@ impl NodeLiveness {
         node: &str,
         ttl: Duration,
         shutdown: Shutdown,
+        durable: Vec<(String, Vec<u8>)>,
         on_registered: Box<dyn Fn() + Send>,
     ) -> std::io::Result<NodeLiveness> {
         let status = Arc::new(Mutex::new(Liveness::default()));
@@ -69,7 +70,12 @@ impl NodeLiveness {
             status.clone(),
         );
         threads.spawn("etcd-liveness".to_string(), move || {
-            run(&client, &key, &node, ttl, &shutdown, &st, &*on_registered)
+            let reg = Registration {
+                key: &key,
+                node: &node,
+                durable: &durable,
+            };
+            run(&client, &reg, ttl, &shutdown, &st, &*on_registered)
         })?;
         Ok(NodeLiveness {
             status,
@@ -112,17 +118,25 @@ impl NodeLiveness {
     }
 }
 
+/// What a registration writes: the liveness key (on the lease) and, in the
+/// same transaction, this node's durable keys (its settings).
+struct Registration<'a> {
+    key: &'a str,
+    node: &'a str,
+    durable: &'a [(String, Vec<u8>)],
+}
+
 fn run(
     client: &EtcdClient,
-    key: &str,
-    node: &str,
+    reg: &Registration<'_>,
     ttl: Duration,
     shutdown: &Shutdown,
     status: &Mutex<Liveness>,
     on_registered: &dyn Fn(),
 ) {
+    let key = reg.key;
     let record = NodeRecord {
-        node: node.to_string(),
+        node: reg.node.to_string(),
         pid: std::process::id(),
         started_at_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -135,7 +149,17 @@ fn run(
     let mut backoff = Backoff::new(LIVENESS_BACKOFF, far);
     while !shutdown.is_triggered() {
         let held = client.lease_grant(ttl).and_then(|lease| {
-            client.put_with_lease(key, &value, lease)?;
+            let mut ops = vec![crate::etcd::TxnOp::put_with_lease(
+                key,
+                value.clone(),
+                lease,
+            )];
+            ops.extend(
+                reg.durable
+                    .iter()
+                    .map(|(k, v)| crate::etcd::TxnOp::put(k.clone(), v.clone())),
+            );
+            client.txn(&[], &ops, &[])?;
             client.keep_alive(lease).map(|k| (lease, k))
         });
         let (lease, keep_alive) = match held {

@@ -8,5 +8,7 @@ mod disconnect;
 mod liveness;
 
 pub use controller_host::ControllerHost;
-pub use disconnect::{DisconnectRule, NodeSettings, RuleParts, DISCONNECT_RELEASE_REASON};
+pub use disconnect::{
+    settings_entry, DisconnectRule, NodeSettings, RuleParts, DISCONNECT_RELEASE_REASON,
+};
 pub use liveness::{Liveness, NodeLiveness, NodeRecord};
