@@ -1,9 +1,10 @@
 //! Cluster mode end to end: several real `claimd` agents (one per node,
 //! each with its own state directory, mount root, API socket and test
 //! plugin) sharing their claims through a real, throwaway etcd member
-//! (tests/etcd_support), with real mounts. The plugins run without a
-//! controller (cross-node attachment through etcd is a later issue), and
-//! volume registrations are not shared yet: every node registers them.
+//! (tests/etcd_support), with real mounts. The plugins here run without a
+//! controller (attachments through controller hosts are in
+//! tests/cluster_controller.rs); every node registers the volumes it uses
+//! (registering again replaces the shared registration).
 
 mod agent_support;
 mod common;
