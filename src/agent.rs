@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::api::ApiServer;
+use crate::claims::fencing::Fencing;
 use crate::claims::{ClaimStore, EmbeddedClaims, EtcdClaims};
-use crate::cluster::{ControllerHost, DisconnectRule, NodeLiveness, RuleParts};
+use crate::cluster::{ControllerHost, DisconnectRule, NodeLiveness, RuleParts, SelfReleaseParts};
 use crate::config::Config;
 use crate::lifecycle::{Lifecycle, LifecycleOptions, RestoreProgress};
 use crate::observe::Observer;
@@ -167,14 +168,21 @@ impl Agent {
                         ),
                     }
                 );
+                let fencing = Arc::new(Fencing::open(
+                    &config.state_dir,
+                    store.boot_id(),
+                    c.lease_ttl,
+                    c.stop_after_disconnect,
+                ));
                 let etcd_claims = Arc::new(
                     EtcdClaims::new(client.clone(), &c.prefix, store.clone())
-                        .with_node(&config.node_name),
+                        .with_node(&config.node_name)
+                        .with_fencing(fencing.clone()),
                 );
-                let started_ms = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis() as u64)
-                    .unwrap_or(0);
+                // Reconciliation runs on its own thread after each
+                // registration, retried with backoff until it has been
+                // done (and its releases started) once per registration.
+                let (registered_tx, registered_rx) = crossbeam_channel::unbounded::<()>();
                 let (reconciler, node, root, releaser, stop) = (
                     etcd_claims.clone(),
                     config.node_name.clone(),
@@ -182,6 +190,11 @@ impl Agent {
                     lifecycle_slot.clone(),
                     shutdown.clone(),
                 );
+                threads
+                    .spawn("reconcile", move || {
+                        reconcile_loop(&reconciler, &node, &root, &releaser, &stop, &registered_rx)
+                    })
+                    .map_err(io_err("failed to start the reconciliation thread"))?;
                 let liveness = NodeLiveness::start(
                     client,
                     &c.prefix,
@@ -192,31 +205,12 @@ impl Agent {
                         &c.prefix,
                         &config.node_name,
                         c.stop_after_disconnect,
+                        c.lease_ttl,
+                        config.timeouts.csi_call,
                     )],
+                    fencing.clone(),
                     Box::new(move || {
-                        match reconciler.reconcile(&node, &root, started_ms) {
-                            Ok(r) => {
-                                if !r.freed.is_empty() || !r.kept.is_empty() {
-                                    log::info!(
-                                        "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",
-                                        r.freed.len(),
-                                        r.kept.len()
-                                    );
-                                }
-                                if !r.lost.is_empty() {
-                                    // The first registration can come before
-                                    // the lifecycle exists (it is made right
-                                    // after this thread starts).
-                                    while releaser.get().is_none() {
-                                        if !stop.sleep(Duration::from_millis(20)) {
-                                            return;
-                                        }
-                                    }
-                                    release_lost(releaser.get(), &r.lost);
-                                }
-                            }
-                            Err(e) => log::warn!("cluster: reconciliation skipped: {e}"),
-                        }
+                        let _ = registered_tx.send(());
                     }),
                 )
                 .map_err(io_err("failed to start the cluster liveness thread"))?;
@@ -237,8 +231,26 @@ impl Agent {
         if let Some(c) = &config.cluster {
             opts.attach_timeout = c.attach_timeout;
         }
+        let rebooted = store.rebooted();
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
         let _ = lifecycle_slot.set(lifecycle.clone());
+        // The self-release counts from the last renewal, persisted: armed
+        // before the restore, so a restart during a partition does not
+        // reset it.
+        let rule = match &cluster {
+            None => None,
+            Some((_, liveness, c)) => Some(
+                DisconnectRule::start_self_release(SelfReleaseParts {
+                    lifecycle: lifecycle.clone(),
+                    fencing: liveness.fencing().clone(),
+                    rebooted,
+                    window: c.stop_after_disconnect,
+                    lease_ttl: c.lease_ttl,
+                    shutdown: shutdown.clone(),
+                })
+                .map_err(io_err("failed to start the self-release thread"))?,
+            ),
+        };
         let report = lifecycle.restore_with(&|p: RestoreProgress| {
             notifier.status(&format!(
                 "restoring {} allocations, {} done",
@@ -250,9 +262,8 @@ impl Agent {
         }
         // Cluster work for other nodes and the disconnect rule, once this
         // node's own allocations are back.
-        let cluster_work = match &cluster {
-            None => None,
-            Some((etcd_claims, liveness, c)) => {
+        let cluster_work = match (&cluster, rule) {
+            (Some((etcd_claims, liveness, c)), Some(rule)) => {
                 let host = ControllerHost::start(
                     etcd_claims.clone(),
                     registry.clone(),
@@ -261,19 +272,21 @@ impl Agent {
                     shutdown.clone(),
                 )
                 .map_err(io_err("failed to start the controller host thread"))?;
-                let rule = DisconnectRule::start(RuleParts {
+                rule.start_reaper(RuleParts {
                     claims: etcd_claims.clone(),
-                    lifecycle: lifecycle.clone(),
                     liveness: liveness.clone(),
                     node: config.node_name.clone(),
-                    window: c.stop_after_disconnect,
                     lease_ttl: c.lease_ttl,
+                    call_timeout: c.call_timeout,
                     attach_timeout: c.attach_timeout,
+                    fencing_plugins: c.fencing_plugins.clone(),
+                    free_unfenced: c.free_unfenced_claims,
                     shutdown: shutdown.clone(),
                 })
-                .map_err(io_err("failed to start the disconnect rule thread"))?;
+                .map_err(io_err("failed to start the reaper thread"))?;
                 Some(Arc::new((host, rule)))
             }
+            _ => None,
         };
         // Requests are served only once the restore has run.
         let mut observer = Observer::new(lifecycle.clone(), registry.clone());
@@ -452,24 +465,82 @@ pub fn dev_dir() -> Result<PathBuf, AgentError> {
     Ok(base)
 }
 
+/// Backoff of a reconciliation that failed (etcd unreachable, a release
+/// that could not start).
+const RECONCILE_BACKOFF: crate::retry::BackoffPolicy =
+    crate::retry::BackoffPolicy::new(Duration::from_millis(250), Duration::from_secs(10));
+
+/// After each registration of this node's liveness: reconcile this node's
+/// claims with its records until that succeeded once, releasing the
+/// allocations whose claims the cluster freed.
+fn reconcile_loop(
+    reconciler: &EtcdClaims,
+    node: &str,
+    root: &std::path::Path,
+    lifecycle: &std::sync::OnceLock<Lifecycle>,
+    stop: &Shutdown,
+    registered: &crossbeam_channel::Receiver<()>,
+) {
+    loop {
+        crossbeam_channel::select! {
+            recv(registered) -> r => if r.is_err() { return },
+            recv(stop.receiver()) -> _ => return,
+        }
+        while registered.try_recv().is_ok() {}
+        let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        let mut backoff = crate::retry::Backoff::new(RECONCILE_BACKOFF, far);
+        loop {
+            let done = match reconciler.reconcile(node, root) {
+                Ok(r) => {
+                    if !r.freed.is_empty() || !r.kept.is_empty() {
+                        log::info!(
+                            "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",
+                            r.freed.len(),
+                            r.kept.len()
+                        );
+                    }
+                    // The first registration can come before the lifecycle
+                    // exists (it is made right after start).
+                    while !r.lost.is_empty() && lifecycle.get().is_none() {
+                        if !stop.sleep(Duration::from_millis(20)) {
+                            return;
+                        }
+                    }
+                    release_lost(lifecycle.get(), &r.lost)
+                }
+                Err(e) => {
+                    log::warn!("cluster: reconciliation failed: {e} (retrying)");
+                    false
+                }
+            };
+            if done || backoff.wait(stop).is_err() {
+                break;
+            }
+        }
+    }
+}
+
 /// Releases the allocations whose claims etcd no longer holds (freed by the
 /// cluster's disconnect rule or by hand while this node was away): they
-/// must not stay mounted without a claim.
-fn release_lost(lifecycle: Option<&Lifecycle>, lost: &[(String, String, String)]) {
+/// must not stay mounted without a claim. False when one could not start.
+fn release_lost(lifecycle: Option<&Lifecycle>, lost: &[(String, String, String)]) -> bool {
     let Some(lifecycle) = lifecycle else {
-        return;
+        return lost.is_empty();
     };
     let mut done = std::collections::BTreeSet::new();
+    let mut all = true;
     for (volume, alloc, why) in lost {
         log::warn!(
             "cluster: allocation {alloc} records volume {volume} but etcd no longer holds its claim ({why}): releasing the allocation"
         );
         if done.insert(alloc.clone()) {
             if let Err(e) = lifecycle.release(alloc) {
-                log::error!("allocation {alloc}: cannot be released: {e}");
+                log::error!("allocation {alloc}: cannot be released: {e} (retrying)");
+                all = false;
             }
         }
     }
+    all
 }
 
 /// The etcd client of the cluster section (nothing is sent yet: an etcd

@@ -110,6 +110,14 @@ pub struct ClusterConfig {
     /// lease has been gone this long the cluster detaches its volumes and
     /// frees its claims.
     pub stop_after_disconnect: Option<Duration>,
+    /// Plugins whose ControllerUnpublishVolume cuts a node off the volume
+    /// (a fence): only their volumes are detached and freed by the cluster
+    /// when their node is gone for good.
+    pub fencing_plugins: Vec<String>,
+    /// Off by default: the cluster also frees claims it cannot fence
+    /// (node-only volumes, plugins not in `fencing_plugins`) of a node gone
+    /// for good. The user's risk: a paused or crashed node does not stop.
+    pub free_unfenced_claims: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -193,6 +201,10 @@ struct RawCluster {
     tls: Option<RawTls>,
     attach_timeout: Option<String>,
     stop_after_disconnect: Option<String>,
+    #[serde(default)]
+    fencing_plugins: Vec<String>,
+    #[serde(default)]
+    free_unfenced_claims: bool,
 }
 
 #[derive(Deserialize)]
@@ -437,6 +449,25 @@ impl Config {
                         Some(d)
                     }
                 };
+                let call_timeout = dur(
+                    "cluster.call_timeout",
+                    c.call_timeout,
+                    DEFAULT_ETCD_CALL_TIMEOUT,
+                )?;
+                if call_timeout * 2 > lease_ttl {
+                    return Err(field_err(
+                        "cluster.call_timeout",
+                        format!(
+                            "{} must be at most half of lease_ttl ({}): a keep-alive that waits out its deadline must leave time for another inside the lease's life",
+                            format_duration(call_timeout),
+                            format_duration(lease_ttl)
+                        ),
+                    ));
+                }
+                for p in &c.fencing_plugins {
+                    crate::ids::check_id("plugin", p)
+                        .map_err(|e| field_err("cluster.fencing_plugins", e.to_string()))?;
+                }
                 Some(ClusterConfig {
                     attach_timeout: dur(
                         "cluster.attach_timeout",
@@ -447,12 +478,10 @@ impl Config {
                     endpoints: c.endpoints,
                     prefix,
                     lease_ttl,
-                    call_timeout: dur(
-                        "cluster.call_timeout",
-                        c.call_timeout,
-                        DEFAULT_ETCD_CALL_TIMEOUT,
-                    )?,
+                    call_timeout,
                     tls,
+                    fencing_plugins: c.fencing_plugins,
+                    free_unfenced_claims: c.free_unfenced_claims,
                 })
             }
         };
@@ -468,6 +497,23 @@ impl Config {
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
         crate::ids::check_id("node", &node_name)
             .map_err(|e| field_err("node_name", e.to_string()))?;
+        let csi_call = dur(
+            "csi_call_timeout",
+            raw.csi_call_timeout,
+            DEFAULT_CSI_CALL_TIMEOUT,
+        )?;
+        if let Some(c) = &cluster {
+            if let Some(window) = c.stop_after_disconnect {
+                use crate::claims::fencing;
+                fencing::check_margins(
+                    c.lease_ttl,
+                    window,
+                    fencing::unmount_bound(csi_call),
+                    fencing::tau(fencing::self_release_period(c.lease_ttl)),
+                )
+                .map_err(|e| field_err("cluster.stop_after_disconnect", e))?;
+            }
+        }
         Ok(Config {
             state_dir: abs("state_dir", raw.state_dir, DEFAULT_STATE_DIR)?,
             api_socket: abs("api_socket", raw.api_socket, DEFAULT_API_SOCKET)?,
@@ -479,11 +525,7 @@ impl Config {
             metrics_listen,
             volume_stats_interval,
             timeouts: Timeouts {
-                csi_call: dur(
-                    "csi_call_timeout",
-                    raw.csi_call_timeout,
-                    DEFAULT_CSI_CALL_TIMEOUT,
-                )?,
+                csi_call,
                 plugin_wait: dur(
                     "plugin_wait_timeout",
                     raw.plugin_wait_timeout,
@@ -673,13 +715,16 @@ mod tests {
         assert_eq!(c.timeouts.mount_retry_deadline, Duration::from_secs(45));
         let cl = parse(
             r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"3s",
-                "stop_after_disconnect":"3s","attach_timeout":"20s"}}"#,
+                "call_timeout":"1s","stop_after_disconnect":"3s","attach_timeout":"20s",
+                "fencing_plugins":["san"],"free_unfenced_claims":true}}"#,
         )
         .expect("valid")
         .cluster
         .expect("a cluster section");
         assert_eq!(cl.stop_after_disconnect, Some(Duration::from_secs(3)));
         assert_eq!(cl.attach_timeout, Duration::from_secs(20));
+        assert_eq!(cl.fencing_plugins, ["san"]);
+        assert!(cl.free_unfenced_claims);
         let d = parse("{}").expect("defaults");
         assert_eq!(
             d.timeouts.mount_retry_deadline,
@@ -717,6 +762,18 @@ mod tests {
             (r#"{"volume_stats_interval":"0s"}"#, "volume_stats_interval"),
             (
                 r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"stop_after_disconnect":"5s"}}"#,
+                "cluster.stop_after_disconnect",
+            ),
+            (
+                r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"2s","call_timeout":"5s"}}"#,
+                "cluster.call_timeout",
+            ),
+            (
+                r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"fencing_plugins":["../x"]}}"#,
+                "cluster.fencing_plugins",
+            ),
+            (
+                r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"2s","call_timeout":"1s","stop_after_disconnect":"1000h"}}"#,
                 "cluster.stop_after_disconnect",
             ),
             (

@@ -12,6 +12,7 @@ pub mod agent;
 pub mod api;
 pub mod claims;
 pub mod cli;
+pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod csi;

@@ -335,9 +335,11 @@ fn a_restarted_host_finishes_the_attach_it_was_killed_in() {
 #[test]
 fn a_cut_off_node_lets_go_by_itself_and_the_cluster_detaches_and_frees_it() {
     let c = Cluster::start(vec![
-        host("h", &["a", "b"]).stop_after_disconnect(STOP_AFTER),
+        host("h", &["a", "b"])
+            .stop_after_disconnect(STOP_AFTER)
+            .fencing(),
         node_only("a").proxied().stop_after_disconnect(STOP_AFTER),
-        node_only("b").stop_after_disconnect(STOP_AFTER),
+        node_only("b").stop_after_disconnect(STOP_AFTER).fencing(),
     ]);
     c.add_volume(&volume());
     let (h, a, b) = (c.node("h"), c.node("a"), c.node("b"));

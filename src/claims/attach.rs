@@ -300,10 +300,11 @@ impl RemoteControllers for EtcdClaims {
         node: &str,
         reason: &str,
         by: &str,
+        rule: super::fencing::FreeRule<'_>,
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<NodeDetach, AttachError> {
-        EtcdClaims::release_node_volume(self, volume_id, node, reason, by, wait, shutdown)
+        EtcdClaims::release_node_volume(self, volume_id, node, reason, by, rule, wait, shutdown)
     }
 
     fn forward(
@@ -455,12 +456,14 @@ impl EtcdClaims {
     /// attach time), then frees the node's claims of the volume, each with
     /// a `freed/` note carrying `reason`. For a node that is gone for good:
     /// the caller checked that it is not alive.
+    #[allow(clippy::too_many_arguments)]
     pub fn release_node_volume(
         &self,
         volume_id: &str,
         node: &str,
         reason: &str,
         by: &str,
+        rule: super::fencing::FreeRule<'_>,
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<NodeDetach, AttachError> {
@@ -531,9 +534,18 @@ impl EtcdClaims {
         // that comes back keeps its volumes and claims.
         let gone = [Compare::absent(super::etcd::node_key(self.prefix(), node))];
         let mut out = NodeDetach::default();
-        if let Some(req) = &request {
-            self.detach_guarded(req, wait, shutdown, &gone)?;
-            out.detached = true;
+        match rule.decide(request.as_ref().map(|r| r.plugin_id.as_str())) {
+            super::fencing::FreeDecision::Keep { why } => {
+                out.kept = Some(why);
+                return Ok(out);
+            }
+            super::fencing::FreeDecision::Free => {}
+            super::fencing::FreeDecision::DetachThenFree => {
+                if let Some(req) = &request {
+                    self.detach_guarded(req, wait, shutdown, &gone)?;
+                    out.detached = true;
+                }
+            }
         }
         for (kv, stored) in mine {
             let note = serde_json::json!({

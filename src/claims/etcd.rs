@@ -69,6 +69,18 @@ pub struct EtcdClaims {
     pub(super) controllers: super::remote::ControllerCache,
     /// This node's name (requests it forwards name it).
     node: String,
+    /// The lease clock and the claims confirmed in this process (agents
+    /// set it; a store without it asks nothing before a call up).
+    fencing: Option<Arc<super::fencing::Fencing>>,
+    /// The revision of the last read of each volume's claims by a take: a
+    /// watch made after a refusal starts right after it (no change in
+    /// between is missed).
+    take_reads: Arc<Mutex<HashMap<String, i64>>>,
+    /// The revision of this process's first read for a take (0: none yet):
+    /// every claim this process writes has a later mod revision, so the
+    /// reconciliation tells this run's claims from older ones by revision,
+    /// never by wall clocks.
+    first_take_read: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl EtcdClaims {
@@ -80,7 +92,32 @@ impl EtcdClaims {
             known: Arc::new(Mutex::new(HashMap::new())),
             controllers: Default::default(),
             node: String::new(),
+            fencing: None,
+            take_reads: Default::default(),
+            first_take_read: Default::default(),
         }
+    }
+
+    /// Checks every call up against `fencing` (see `check_call_up`).
+    pub fn with_fencing(mut self, fencing: Arc<super::fencing::Fencing>) -> EtcdClaims {
+        self.fencing = Some(fencing);
+        self
+    }
+
+    pub fn fencing(&self) -> Option<&Arc<super::fencing::Fencing>> {
+        self.fencing.as_ref()
+    }
+
+    /// A claim this process just wrote or read back: confirmed under the
+    /// lease that was valid before the round trip started.
+    fn confirmed(&self, volume_id: &str, alloc_id: &str, lease: Option<crate::etcd::LeaseId>) {
+        if let (Some(f), Some(lease)) = (&self.fencing, lease) {
+            f.confirm(volume_id, alloc_id, lease);
+        }
+    }
+
+    fn lease_before(&self) -> Option<crate::etcd::LeaseId> {
+        self.fencing.as_ref().and_then(|f| f.valid_lease())
     }
 
     /// Names this node in the requests it forwards to controller hosts.
@@ -235,13 +272,26 @@ impl EtcdClaims {
             known: self.known.clone(),
             controllers: self.controllers.clone(),
             node: self.node.clone(),
+            fencing: self.fencing.clone(),
+            take_reads: self.take_reads.clone(),
+            first_take_read: self.first_take_read.clone(),
         }
     }
 
     fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
         let prefix = self.volume_prefix(&req.volume_id);
+        let lease = self.lease_before();
         for _ in 0..CONFLICT_ATTEMPTS {
             let r = self.client.range_prefix(&prefix).map_err(unavailable)?;
+            self.take_reads
+                .lock()
+                .insert(req.volume_id.clone(), r.revision);
+            let _ = self.first_take_read.compare_exchange(
+                0,
+                r.revision,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            );
             let mut others = Vec::new();
             let mut changed = false;
             for kv in &r.kvs {
@@ -271,6 +321,7 @@ impl EtcdClaims {
                         self.known
                             .lock()
                             .insert(kv.key_str().into_owned(), (t.revision, fresh));
+                        self.confirmed(&req.volume_id, &req.alloc_id, lease);
                         return Ok(());
                     }
                     // Changed meanwhile (freed by hand, say): read again.
@@ -319,6 +370,7 @@ impl EtcdClaims {
                 .map_err(unavailable)?;
             if t.succeeded {
                 self.known.lock().insert(key, (t.revision, stored));
+                self.confirmed(&req.volume_id, &req.alloc_id, lease);
                 return Ok(());
             }
         }
@@ -342,6 +394,9 @@ impl EtcdClaims {
         holder: Option<&str>,
     ) -> Result<(), ClaimError> {
         let key = self.key(volume_id, alloc_id);
+        if let Some(f) = &self.fencing {
+            f.forget(volume_id, alloc_id);
+        }
         let Some(holder) = holder else {
             self.client.delete_range(&key, "").map_err(unavailable)?;
             self.known.lock().remove(&key);
@@ -458,12 +513,30 @@ impl SharedVolumes for EtcdClaims {
         Ok(())
     }
 
+    /// One `Txn`: the registration goes only while the volume has no
+    /// claim (a take racing the deregistration makes it fail, never the
+    /// other way round).
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
-        let r = self
+        let key = self.volume_key(volume_id);
+        let unclaimed = Compare::mod_revision(
+            self.volume_prefix(volume_id).into_bytes(),
+            CompareOp::Less,
+            1,
+        )
+        .with_prefix();
+        let t = self
             .client
-            .delete_range(self.volume_key(volume_id), "")
+            .txn(&[unclaimed], &[TxnOp::delete(key.as_bytes())], &[])
             .map_err(unavailable)?;
-        Ok(r.deleted > 0)
+        if !t.succeeded {
+            return Err(ClaimError::Impossible {
+                volume_id: volume_id.to_string(),
+                reason: "it is claimed (a claim was taken while it was being deregistered): release it first".to_string(),
+            });
+        }
+        Ok(t.responses
+            .first()
+            .is_some_and(|r| matches!(r, crate::etcd::TxnOpResponse::Delete(d) if d.deleted > 0)))
     }
 
     fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError> {
@@ -590,16 +663,79 @@ impl ClaimStore for EtcdClaims {
         self.node_is_alive(node).map(Some)
     }
 
+    fn wait_reachable(
+        &self,
+        timeout: std::time::Duration,
+        shutdown: &crate::shutdown::Shutdown,
+    ) -> bool {
+        match &self.fencing {
+            Some(f) => f.wait_back(timeout, shutdown),
+            None => shutdown.sleep(timeout),
+        }
+    }
+
+    fn check_call_up(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
+        let Some(f) = &self.fencing else {
+            return Ok(());
+        };
+        if f.is_confirmed(volume_id, alloc_id) {
+            return Ok(());
+        }
+        // Read back after the current lease was registered: what etcd
+        // says now is what the cluster has decided.
+        let lease = f.valid_lease();
+        let key = self.key(volume_id, alloc_id);
+        let unsafe_now = |why: String| ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: why,
+        };
+        match self.client.get(&key) {
+            Ok(Some(kv)) => {
+                let stored = parse(&kv)?;
+                if !self.node.is_empty() && stored.claim.node != self.node {
+                    return Err(ClaimError::Impossible {
+                        volume_id: volume_id.to_string(),
+                        reason: format!(
+                            "the claim of allocation {alloc_id} is held by node {} now, not this node",
+                            stored.claim.node
+                        ),
+                    });
+                }
+                match lease {
+                    Some(lease) => {
+                        f.confirm(volume_id, alloc_id, lease);
+                        Ok(())
+                    }
+                    // Held, but this node's lease is not valid now: the
+                    // cluster may act on it unless the window still runs.
+                    None => f.without_etcd().map_err(unsafe_now),
+                }
+            }
+            Ok(None) => Err(ClaimError::Impossible {
+                volume_id: volume_id.to_string(),
+                reason: format!(
+                    "the claim of allocation {alloc_id} is no longer held in etcd (freed while this node was away or paused): nothing is mounted under it"
+                ),
+            }),
+            Err(e) => f
+                .without_etcd()
+                .map_err(|why| unsafe_now(format!("{why} ({})", crate::error_chain(&e)))),
+        }
+    }
+
     fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
         Some(self)
     }
 
     fn watch_claims(&self, volume_id: &str) -> Option<Box<dyn super::ClaimWatch>> {
         let prefix = self.volume_prefix(volume_id);
+        // Right after the take's read that was refused: a release between
+        // that read and this watch is its first event.
+        let from = self.take_reads.lock().get(volume_id).map_or(0, |r| r + 1);
         match self.client.watch(
             prefix.as_bytes(),
             crate::etcd::prefix_end(prefix.as_bytes()),
-            0,
+            from,
         ) {
             Ok(watcher) => Some(Box::new(ClaimsWatch { watcher })),
             Err(e) => {
@@ -701,13 +837,12 @@ impl EtcdClaims {
     /// crash between the claim store's round trip and the local write, or a
     /// state directory replaced by hand) are freed, after checking that
     /// nothing of theirs is mounted under `mount_root`. Only claims taken
-    /// before `started_ms` (this agent's start) are looked at: a claim this
-    /// process takes is recorded locally right after.
+    /// before this process's first take (by etcd revision) are looked at: a
+    /// claim this process takes is recorded locally right after.
     pub fn reconcile(
         &self,
         node: &str,
         mount_root: &std::path::Path,
-        started_ms: u64,
     ) -> Result<Reconciled, ClaimError> {
         // The local records first: one past its claim was in etcd before
         // it was recorded, so a claim missing from the later read was freed.
@@ -781,7 +916,12 @@ impl EtcdClaims {
                 continue;
             };
             let c = &stored.claim;
-            if c.node != node || stored.taken_at_ms >= started_ms {
+            // Taken (or confirmed) by this process: its record follows.
+            let first = self
+                .first_take_read
+                .load(std::sync::atomic::Ordering::SeqCst);
+            let this_run = first != 0 && kv.mod_revision > first;
+            if c.node != node || this_run {
                 continue;
             }
             let recorded = self.state.read(|s| {

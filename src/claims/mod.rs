@@ -22,6 +22,7 @@ pub mod attach;
 pub mod controller_calls;
 mod embedded;
 pub mod etcd;
+pub mod fencing;
 pub mod remote;
 mod rules;
 
@@ -200,6 +201,24 @@ pub trait ClaimStore: Send + Sync {
     /// Controller plugins on other nodes, when the store spans nodes.
     fn remote_controllers(&self) -> Option<&dyn RemoteControllers> {
         None
+    }
+    /// Asked right before every call up (ControllerPublish, NodeStage,
+    /// NodePublish) of a volume under this allocation's claim: Ok when the
+    /// claim is held and may be used now (`fencing`); `Impossible` when it
+    /// is gone; `Unavailable` (retried) while that cannot be told safely.
+    fn check_call_up(&self, _volume_id: &str, _alloc_id: &str) -> Result<(), ClaimError> {
+        Ok(())
+    }
+    /// Waits up to `timeout` before a retry of something that needs the
+    /// store, less when a store that spans nodes answers again after a gap
+    /// (a release waiting to free its claim goes on at once). False when
+    /// the agent stops.
+    fn wait_reachable(
+        &self,
+        timeout: std::time::Duration,
+        shutdown: &crate::shutdown::Shutdown,
+    ) -> bool {
+        shutdown.sleep(timeout)
     }
     /// Whether `node` is alive (its liveness lease is held); None when the
     /// store does not know other nodes (one node).

@@ -197,12 +197,14 @@ pub trait RemoteControllers: Send + Sync {
         shutdown: &Shutdown,
     ) -> Result<Vec<u8>, AttachError>;
     /// See `EtcdClaims::release_node_volume`.
+    #[allow(clippy::too_many_arguments)]
     fn release_node_volume(
         &self,
         volume_id: &str,
         node: &str,
         reason: &str,
         by: &str,
+        rule: super::fencing::FreeRule<'_>,
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<NodeDetach, AttachError>;
@@ -236,4 +238,7 @@ pub struct NodeDetach {
     pub detached: bool,
     /// The allocations whose claims of the volume were freed.
     pub freed: Vec<String>,
+    /// Why the claims were kept (nothing can fence the volume from the
+    /// node, and the cluster did not opt in to freeing it unfenced).
+    pub kept: Option<String>,
 }

@@ -1,26 +1,33 @@
 //! The disconnect rule (`cluster.stop_after_disconnect`, off by default,
-//! like Nomad's `stop_on_client_disconnect`), run on every agent by one
-//! named thread (`disconnect-rule`):
+//! like Nomad's `stop_on_client_disconnect`), on two named threads of every
+//! agent, so that neither waits behind the other:
 //!
-//! - **This node**, when the rule is set here: once its lease has not been
-//!   renewed for that long, it releases every allocation itself. The node
-//!   side (NodeUnpublish, NodeUnstage) is done at once; the controller
-//!   detach and the claims follow when etcd answers again.
-//! - **Other nodes**: each node writes its own setting to
+//! - **`self-release`** (this node, when the rule is set here): once the
+//!   last keep-alive etcd answered was *sent* longer ago than the window
+//!   (CLOCK_BOOTTIME, persisted across restarts of this boot by
+//!   `claims::fencing`, so a restart does not reset it), it releases every
+//!   allocation itself. The node side (NodeUnpublish, NodeUnstage) is done
+//!   at once; the controller detach and the claims follow when etcd
+//!   answers again.
+//! - **`reaper`** (other nodes): each node writes its settings to
 //!   `<prefix>/node-settings/<node>` (durable, with each registration of its
-//!   liveness: `settings_entry`). When a node with the rule set has had
-//!   no liveness key for that long (measured here, from when this agent
-//!   first saw it gone: the floor is the lease TTL plus the window after
-//!   its last renewal), the agent that takes `<prefix>/reaper-locks/<node>`
-//!   (a `Txn` on its own lease: exactly one at a time) detaches the node's
-//!   volumes through a controller host with the external node ID recorded
-//!   in its claims, then frees its claims (a `freed/` note each), so
-//!   allocations waiting elsewhere go on.
+//!   liveness: `settings_entry`): its window D, its longest unmount U and its
+//!   check period τ. An observer counts a node's absence only from fresh
+//!   observations (its own lease valid, its reads answered, no gap longer
+//!   than a few periods between two of them); once the node has been seen
+//!   gone for `W = fencing::observer_wait(D, U, τ)`, the agent that takes
+//!   `<prefix>/reaper-locks/<node>` (a `Txn` on its own lease: exactly one at
+//!   a time; an ambiguous answer is settled by reading the lock) acts on the
+//!   node's volumes by `fencing::FreeRule::Cluster`: a volume fenced from the
+//!   node (ControllerUnpublish of a plugin in `cluster.fencing_plugins`) is
+//!   detached, then its claims are freed (a `freed/` note each); a volume
+//!   nothing can fence stays claimed, shown as held by an unreachable node,
+//!   unless the cluster opted in (`cluster.free_unfenced_claims`).
 //!
 //! A node without the rule keeps its claims and mounts however long it is
 //! cut off.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,8 +36,9 @@ use serde::{Deserialize, Serialize};
 
 use super::liveness::NodeLiveness;
 use crate::claims::etcd::unavailable;
+use crate::claims::fencing::{self, Fencing, FreeRule};
 use crate::claims::{ClaimError, ClaimStore, EtcdClaims};
-use crate::etcd::{Compare, CompareOp, LeaseId, TxnOp};
+use crate::etcd::{Compare, LeaseId, TxnOp};
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
@@ -42,13 +50,48 @@ pub const DISCONNECT_RELEASE_REASON: &str = "released while disconnected";
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeSettings {
     pub stop_after_disconnect_ms: Option<u64>,
+    /// U: the node's longest unmount (NodeUnpublish + NodeUnstage at their
+    /// deadlines). Absent from older agents: observers assume 2 minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmount_bound_ms: Option<u64>,
+    /// τ: the node's self-release check period plus scheduling delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check_period_ms: Option<u64>,
+}
+
+/// U and τ assumed for a node that does not publish them.
+const ASSUMED_UNMOUNT_BOUND: Duration = Duration::from_secs(120);
+const ASSUMED_TAU: Duration = Duration::from_secs(3);
+
+impl NodeSettings {
+    /// W for this node: how long observers wait after first seeing it gone.
+    pub fn observer_wait(&self) -> Option<Duration> {
+        let d = Duration::from_millis(self.stop_after_disconnect_ms?);
+        let u = self
+            .unmount_bound_ms
+            .map_or(ASSUMED_UNMOUNT_BOUND, Duration::from_millis);
+        let t = self
+            .check_period_ms
+            .map_or(ASSUMED_TAU, Duration::from_millis);
+        Some(fencing::observer_wait(d, u, t))
+    }
 }
 
 /// The durable key and value of this node's settings, written with each
 /// registration of its liveness.
-pub fn settings_entry(prefix: &str, node: &str, window: Option<Duration>) -> (String, Vec<u8>) {
+pub fn settings_entry(
+    prefix: &str,
+    node: &str,
+    window: Option<Duration>,
+    lease_ttl: Duration,
+    csi_call: Duration,
+) -> (String, Vec<u8>) {
     let value = NodeSettings {
         stop_after_disconnect_ms: window.map(|w| w.as_millis() as u64),
+        unmount_bound_ms: Some(fencing::unmount_bound(csi_call).as_millis() as u64),
+        check_period_ms: Some(
+            fencing::tau(fencing::self_release_period(lease_ttl)).as_millis() as u64,
+        ),
     };
     (
         format!("{}/node-settings/{node}", prefix.trim_end_matches('/')),
@@ -60,40 +103,80 @@ pub struct DisconnectRule {
     threads: Mutex<Option<Threads>>,
 }
 
-/// What the rule needs to run.
-pub struct RuleParts {
-    pub claims: Arc<EtcdClaims>,
+/// What the self-release needs; started before the restore, so that a
+/// restart during a partition keeps counting from the last renewal.
+pub struct SelfReleaseParts {
     pub lifecycle: Lifecycle,
-    pub liveness: Arc<NodeLiveness>,
-    pub node: String,
+    pub fencing: Arc<Fencing>,
+    /// Whether the node rebooted since the state was written (nothing of
+    /// the records is mounted then).
+    pub rebooted: bool,
     /// This node's own `stop_after_disconnect`.
     pub window: Option<Duration>,
     pub lease_ttl: Duration,
+    pub shutdown: Shutdown,
+}
+
+/// What the reaper needs to run.
+pub struct RuleParts {
+    pub claims: Arc<EtcdClaims>,
+    pub liveness: Arc<NodeLiveness>,
+    pub node: String,
+    pub lease_ttl: Duration,
+    pub call_timeout: Duration,
     pub attach_timeout: Duration,
+    pub fencing_plugins: Vec<String>,
+    pub free_unfenced: bool,
     pub shutdown: Shutdown,
 }
 
 impl DisconnectRule {
-    pub fn start(parts: RuleParts) -> std::io::Result<DisconnectRule> {
+    /// Starts the self-release (when the window is set here). Call before
+    /// the restore; `start_reaper` adds the reaper after it.
+    pub fn start_self_release(parts: SelfReleaseParts) -> std::io::Result<DisconnectRule> {
         let mut threads = Threads::new();
-        let every = (parts.lease_ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
-        let mut rule = Rule {
-            parts,
-            started: Instant::now(),
-            released: false,
-            gone_since: HashMap::new(),
-        };
-        threads.spawn("disconnect-rule", move || {
-            while rule.parts.shutdown.sleep(every) {
-                rule.tick();
-            }
-        })?;
+        if let Some(window) = parts.window {
+            let every = fencing::self_release_period(parts.lease_ttl);
+            let mut me = SelfRelease {
+                started: Instant::now(),
+                released: false,
+                window,
+                parts,
+            };
+            threads.spawn("self-release", move || {
+                me.tick();
+                while me.parts.shutdown.sleep(every) {
+                    me.tick();
+                }
+            })?;
+        }
         Ok(DisconnectRule {
             threads: Mutex::new(Some(threads)),
         })
     }
 
-    /// Joins the thread (after the stop was triggered) up to `deadline`.
+    /// Starts the reaper of other nodes' claims.
+    pub fn start_reaper(&self, parts: RuleParts) -> std::io::Result<()> {
+        let every = (parts.lease_ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
+        // Two observations further apart than this are not one watch.
+        let max_gap = every * 3 + parts.call_timeout * 2;
+        let mut reaper = Reaper {
+            parts,
+            gone_since: HashMap::new(),
+            last_observation: None,
+            kept_reported: HashSet::new(),
+            max_gap,
+        };
+        let mut guard = self.threads.lock();
+        let threads = guard.get_or_insert_with(Threads::new);
+        threads.spawn("reaper", move || {
+            while reaper.parts.shutdown.sleep(every) {
+                reaper.tick();
+            }
+        })
+    }
+
+    /// Joins the threads (after the stop was triggered) up to `deadline`.
     pub fn join(&self, deadline: Instant) -> Vec<String> {
         self.threads
             .lock()
@@ -103,32 +186,32 @@ impl DisconnectRule {
     }
 }
 
-struct Rule {
-    parts: RuleParts,
+struct SelfRelease {
+    parts: SelfReleaseParts,
+    window: Duration,
     started: Instant,
     /// This node released its allocations during the current disconnect.
     released: bool,
-    /// Nodes seen without a liveness key, since when (this agent's clock).
-    gone_since: HashMap<String, Instant>,
 }
 
-impl Rule {
-    fn tick(&mut self) {
-        self.this_node();
-        let Some(lease) = self.parts.liveness.status().lease else {
-            return;
-        };
-        if let Err(e) = self.other_nodes(lease) {
-            log::warn!("cluster: disconnect rule: cannot look at the other nodes: {e}");
+impl SelfRelease {
+    /// How long since the last answered renewal's send: from the lease
+    /// clock (this run or the previous one of this boot). Unknown on this
+    /// boot (the file missing or unreadable): as long ago as can be, since
+    /// the cluster may have counted from long before; after a reboot,
+    /// nothing is mounted, calls up wait for etcd, and this run's start
+    /// counts.
+    fn since_renewal(&self) -> Duration {
+        match self.parts.fencing.since_last_sent() {
+            Some(d) => d,
+            None if self.parts.rebooted => self.started.elapsed(),
+            None => Duration::MAX,
         }
     }
 
-    fn this_node(&mut self) {
-        let Some(window) = self.parts.window else {
-            return;
-        };
-        let last = self.parts.liveness.status().renewed.unwrap_or(self.started);
-        if last.elapsed() < window {
+    fn tick(&mut self) {
+        let ago = self.since_renewal();
+        if ago < self.window {
             self.released = false;
             return;
         }
@@ -136,9 +219,8 @@ impl Rule {
             return;
         }
         self.released = true;
-        let allocs: Vec<String> = self
-            .parts
-            .lifecycle
+        let lifecycle = &self.parts.lifecycle;
+        let allocs: Vec<String> = lifecycle
             .list_allocs()
             .into_iter()
             .filter(|a| !a.releasing)
@@ -147,28 +229,70 @@ impl Rule {
         if allocs.is_empty() {
             return;
         }
+        let ago = if ago == Duration::MAX {
+            "not known since boot".to_string()
+        } else {
+            format!("{ago:?} ago")
+        };
         log::warn!(
-            "cluster: this node's lease was last renewed {:?} ago (stop_after_disconnect {window:?}): {DISCONNECT_RELEASE_REASON}: releasing {} allocation(s): {}",
-            last.elapsed(),
+            "cluster: this node's lease was last renewed {ago} (stop_after_disconnect {:?}): {DISCONNECT_RELEASE_REASON}: releasing {} allocation(s): {}",
+            self.window,
             allocs.len(),
             allocs.join(", ")
         );
         for a in allocs {
-            match self.parts.lifecycle.release(&a) {
+            match lifecycle.release(&a) {
                 Ok(_) => log::warn!("allocation {a}: {DISCONNECT_RELEASE_REASON} from etcd"),
                 Err(e) => log::error!("allocation {a}: cannot be released: {e}"),
             }
         }
     }
+}
+
+struct Reaper {
+    parts: RuleParts,
+    /// Nodes seen without a liveness key, since when (this agent's clock,
+    /// from fresh observations only).
+    gone_since: HashMap<String, Instant>,
+    last_observation: Option<Instant>,
+    /// (node, volume) kept claimed and already said so in the log.
+    kept_reported: HashSet<(String, String)>,
+    max_gap: Duration,
+}
+
+impl Reaper {
+    /// Forgets every absence: counting starts again at the next fresh
+    /// observation.
+    fn lose_sight(&mut self, why: &str) {
+        if !self.gone_since.is_empty() {
+            log::info!("cluster: reaper: absences counted again from the next observation: {why}");
+        }
+        self.gone_since.clear();
+        self.last_observation = None;
+    }
+
+    fn tick(&mut self) {
+        let fencing = self.parts.claims.fencing().cloned();
+        let lease = self.parts.liveness.status().lease;
+        let valid = fencing.as_ref().map_or(lease, |f| f.valid_lease());
+        let Some(lease) = valid.filter(|v| Some(*v) == lease) else {
+            self.lose_sight("this node's own lease is not valid");
+            return;
+        };
+        if let Err(e) = self.other_nodes(lease) {
+            self.lose_sight("etcd did not answer");
+            log::warn!("cluster: reaper: cannot look at the other nodes: {e}");
+        }
+    }
 
     fn other_nodes(&mut self, lease: LeaseId) -> Result<(), ClaimError> {
-        let claims = &self.parts.claims;
+        let claims = self.parts.claims.clone();
         let client = claims.client();
         let prefix = claims.prefix().to_string();
         let settings = client
             .range_prefix(format!("{prefix}/node-settings/"))
             .map_err(unavailable)?;
-        let mut windows = BTreeMap::new();
+        let mut waits = BTreeMap::new();
         for kv in &settings.kvs {
             let node = kv
                 .key_str()
@@ -177,96 +301,132 @@ impl Rule {
                 .unwrap_or_default()
                 .to_string();
             match serde_json::from_slice::<NodeSettings>(&kv.value) {
-                Ok(NodeSettings {
-                    stop_after_disconnect_ms: Some(ms),
-                }) if node != self.parts.node => {
-                    windows.insert(node, Duration::from_millis(ms));
+                Ok(s) if node != self.parts.node => {
+                    if let Some(w) = s.observer_wait() {
+                        waits.insert(node, w);
+                    }
                 }
                 Ok(_) => {}
                 Err(e) => log::warn!("cluster: {} is not node settings: {e}", kv.key_str()),
             }
         }
-        if windows.is_empty() {
+        if waits.is_empty() {
             self.gone_since.clear();
             return Ok(());
         }
         let alive = claims.alive_nodes()?;
+        let now = Instant::now();
+        // An observer that was stuck (a slow reap, a descheduled process)
+        // saw nothing in between: it does not count that time.
+        if let Some(last) = self.last_observation {
+            if now.duration_since(last) > self.max_gap {
+                self.lose_sight("too long since the last observation");
+            }
+        }
+        self.last_observation = Some(now);
         self.gone_since
-            .retain(|n, _| windows.contains_key(n) && !alive.contains(n));
-        for (node, window) in windows {
+            .retain(|n, _| waits.contains_key(n) && !alive.contains(n));
+        self.kept_reported.retain(|(n, _)| !alive.contains(n));
+        for (node, wait) in waits {
             if alive.contains(&node) {
                 continue;
             }
-            let since = *self
-                .gone_since
-                .entry(node.clone())
-                .or_insert_with(Instant::now);
-            if since.elapsed() >= window {
-                self.reap(&node, window, lease)?;
+            let since = *self.gone_since.entry(node.clone()).or_insert(now);
+            if since.elapsed() >= wait {
+                self.reap(&node, wait, lease)?;
             }
         }
         Ok(())
     }
 
-    /// Detaches and frees the claims of a node gone for longer than its
-    /// window, under the node's reaper lock.
-    fn reap(&self, node: &str, window: Duration, lease: LeaseId) -> Result<(), ClaimError> {
-        let claims = &self.parts.claims;
+    /// Takes the node's reaper lock: true when this agent holds it (also
+    /// when an earlier take of this agent left it, or its answer was lost).
+    fn lock(&self, lock: &str, me: &str, lease: LeaseId) -> Result<bool, ClaimError> {
+        let client = self.parts.claims.client();
+        let took = client.txn(
+            &[Compare::absent(lock)],
+            &[TxnOp::put_with_lease(lock, me, lease)],
+            &[],
+        );
+        match took {
+            Ok(t) if t.succeeded => return Ok(true),
+            Ok(_) => {}
+            // Ambiguous: settled by reading the lock, never by a retry.
+            Err(e) => {
+                log::info!("cluster: reaper lock {lock}: take not answered ({e}); reading it")
+            }
+        }
+        let held = client.get(lock).map_err(unavailable)?;
+        Ok(held.is_some_and(|kv| kv.value == me.as_bytes()))
+    }
+
+    /// Acts on the claims of a node gone for longer than its wait, under
+    /// the node's reaper lock, by the cluster's free rule.
+    fn reap(&mut self, node: &str, wait: Duration, lease: LeaseId) -> Result<(), ClaimError> {
+        let claims = self.parts.claims.clone();
         let volumes: Vec<String> = {
             // A value that is not a claim is skipped (and reported where
             // it is listed), never a reason to stop reaping other nodes.
-            let (all, _problems) = ClaimStore::list_with_problems(&**claims)?;
+            let (all, _problems) = ClaimStore::list_with_problems(&*claims)?;
             let mut v: Vec<String> = all
                 .into_iter()
                 .filter(|c| c.node == node)
                 .map(|c| c.volume_id)
                 .collect();
+            v.sort();
             v.dedup();
             v
         };
         if volumes.is_empty() {
             return Ok(());
         }
-        let client = claims.client();
         let lock = format!("{}/reaper-locks/{node}", claims.prefix());
         let me =
             serde_json::json!({"host": self.parts.node, "lease": lease.to_string()}).to_string();
-        let t = client
-            .txn(
-                &[Compare::absent(lock.clone())],
-                &[TxnOp::put_with_lease(lock.clone(), me.clone(), lease)],
-                &[],
-            )
-            .map_err(unavailable)?;
-        if !t.succeeded {
+        if !self.lock(&lock, &me, lease)? {
             return Ok(());
         }
         let reason = format!(
-            "node {node} disconnected for more than {window:?} (its stop_after_disconnect)"
+            "node {node} disconnected for more than {wait:?} (its stop_after_disconnect plus its unmount bound and margins)"
         );
+        let rule = FreeRule::Cluster {
+            fencing_plugins: &self.parts.fencing_plugins,
+            free_unfenced: self.parts.free_unfenced,
+        };
         for v in &volumes {
             match claims.release_node_volume(
                 v,
                 node,
                 &reason,
                 &self.parts.node,
+                rule,
                 self.parts.attach_timeout,
                 &self.parts.shutdown,
             ) {
+                Ok(d) if d.kept.is_some() => {
+                    if self.kept_reported.insert((node.to_string(), v.clone())) {
+                        log::warn!(
+                            "cluster: volume {v} stays claimed by unreachable node {node}: {}; once that node is known to be down for good, free it with `claimd volume detach {v} --node {node} --reason ...`",
+                            d.kept.unwrap_or_default()
+                        );
+                    }
+                }
                 Ok(d) => log::warn!(
-                    "cluster: volume {v} of disconnected node {node}: {}freed the claims of {}",
-                    if d.detached { "detached, " } else { "" },
+                    "cluster: volume {v} of unreachable node {node}: {}freed the claims of {}",
+                    if d.detached { "fenced (detached), " } else { "" },
                     d.freed.join(", ")
                 ),
                 Err(e) => log::warn!(
-                    "cluster: volume {v} of disconnected node {node} not released yet: {e} (retrying)"
+                    "cluster: volume {v} of unreachable node {node} not released yet: {e} (retrying)"
                 ),
             }
         }
-        let same = Compare::value(lock.clone(), CompareOp::Equal, me);
-        client
-            .txn(&[same], &[TxnOp::delete(lock)], &[])
-            .map_err(unavailable)?;
+        let same = Compare::value(lock.clone(), crate::etcd::CompareOp::Equal, me);
+        // A lost answer leaves the lock on this agent's lease: the next
+        // reap takes it back (`lock`), and it ends with the lease.
+        if let Err(e) = claims.client().txn(&[same], &[TxnOp::delete(lock)], &[]) {
+            log::info!("cluster: reaper lock of {node} not released now: {e}");
+        }
         Ok(())
     }
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::claims::fencing::Fencing;
 use crate::etcd::{EtcdClient, LeaseId, RenewalClock};
 use crate::retry::{Backoff, BackoffPolicy};
 use crate::shutdown::Shutdown;
@@ -46,6 +47,7 @@ pub struct Liveness {
 pub struct NodeLiveness {
     status: Arc<Mutex<Liveness>>,
     ttl: Duration,
+    fencing: Arc<Fencing>,
     threads: Mutex<Option<Threads>>,
 }
 
@@ -53,6 +55,7 @@ impl NodeLiveness {
     /// Starts keeping `<prefix>/nodes/<node>` alive.
     /// `on_registered` runs on the liveness thread after each successful
     /// registration (the start-up reconciliation).
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         client: EtcdClient,
         prefix: &str,
@@ -60,14 +63,16 @@ impl NodeLiveness {
         ttl: Duration,
         shutdown: Shutdown,
         durable: Vec<(String, Vec<u8>)>,
+        fencing: Arc<Fencing>,
         on_registered: Box<dyn Fn() + Send>,
     ) -> std::io::Result<NodeLiveness> {
         let status = Arc::new(Mutex::new(Liveness::default()));
         let mut threads = Threads::new();
-        let (key, node, st) = (
+        let (key, node, st, f) = (
             crate::claims::etcd::node_key(prefix, node),
             node.to_string(),
             status.clone(),
+            fencing.clone(),
         );
         threads.spawn("etcd-liveness".to_string(), move || {
             let reg = Registration {
@@ -75,13 +80,19 @@ impl NodeLiveness {
                 node: &node,
                 durable: &durable,
             };
-            run(&client, &reg, ttl, &shutdown, &st, &*on_registered)
+            run(&client, &reg, ttl, &shutdown, &st, &f, &*on_registered)
         })?;
         Ok(NodeLiveness {
             status,
             ttl,
+            fencing,
             threads: Mutex::new(Some(threads)),
         })
+    }
+
+    /// The lease clock this liveness feeds.
+    pub fn fencing(&self) -> &Arc<Fencing> {
+        &self.fencing
     }
 
     pub fn status(&self) -> Liveness {
@@ -94,14 +105,26 @@ impl NodeLiveness {
 
     /// Why this node's liveness is not current (etcd unreachable, the lease
     /// lost, renewals late), if it is not.
+    /// Ages count from the last answered renewal's send, on
+    /// CLOCK_BOOTTIME, in this run or the previous one of this boot (not
+    /// from this agent's start).
     pub fn problem(&self) -> Option<String> {
         let s = self.status();
+        let ago = self.fencing.since_last_sent();
+        let last = match ago {
+            Some(a) => format!(" (last renewed {a:?} ago)"),
+            None => " (no renewal known since boot)".to_string(),
+        };
         match (s.renewed, s.last_error) {
-            (_, Some(e)) => Some(format!("this node's liveness lease is not held: {e}")),
-            (None, None) => Some("this node's liveness is not registered in etcd yet".to_string()),
-            (Some(at), None) if at.elapsed() > self.ttl => Some(format!(
+            (_, Some(e)) => Some(format!(
+                "this node's liveness lease is not held: {e}{last}"
+            )),
+            (None, None) => Some(format!(
+                "this node's liveness is not registered in etcd yet{last}"
+            )),
+            (Some(_), None) if !matches!(ago, Some(a) if a <= self.ttl) => Some(format!(
                 "this node's liveness lease was last renewed {:?} ago (TTL {:?}): etcd unreachable?",
-                at.elapsed(),
+                ago.unwrap_or_default(),
                 self.ttl
             )),
             _ => None,
@@ -132,6 +155,7 @@ fn run(
     ttl: Duration,
     shutdown: &Shutdown,
     status: &Mutex<Liveness>,
+    fencing: &Fencing,
     on_registered: &dyn Fn(),
 ) {
     let key = reg.key;
@@ -187,6 +211,7 @@ fn run(
             lease: Some(lease),
             clock: Some(keep_alive.renewal_clock()),
         };
+        fencing.lease_registered(lease, keep_alive.renewal_clock());
         on_registered();
         // Renewal happens on the keep-alive's own thread; this one reports
         // and notices a lease etcd says is gone.
@@ -198,7 +223,9 @@ fn run(
                 return;
             }
             status.lock().renewed = Some(keep_alive.last_renewed());
+            fencing.persist();
         }
+        fencing.lease_lost();
         log::warn!("cluster: the lease of {key} was lost; registering again");
         let mut st = status.lock();
         st.last_error = Some("the lease was lost".to_string());

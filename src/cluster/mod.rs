@@ -9,6 +9,7 @@ mod liveness;
 
 pub use controller_host::ControllerHost;
 pub use disconnect::{
-    settings_entry, DisconnectRule, NodeSettings, RuleParts, DISCONNECT_RELEASE_REASON,
+    settings_entry, DisconnectRule, NodeSettings, RuleParts, SelfReleaseParts,
+    DISCONNECT_RELEASE_REASON,
 };
 pub use liveness::{Liveness, NodeLiveness, NodeRecord};

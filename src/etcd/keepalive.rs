@@ -29,10 +29,31 @@ const MIN_INTERVAL: Duration = Duration::from_millis(500);
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(1);
 
+/// The last renewal etcd answered: when its request was *sent* (the lease
+/// lives at least TTL from then, whatever the answer's delay), on both
+/// clocks.
 #[derive(Clone, Copy, Debug)]
 struct Renewal {
     at: Instant,
+    /// CLOCK_BOOTTIME at the send (counts through a suspend).
+    sent_boottime: Duration,
     ttl: Duration,
+}
+
+/// When a round's request goes out.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    at: Instant,
+    boottime: Duration,
+}
+
+impl Sent {
+    fn now() -> Sent {
+        Sent {
+            at: Instant::now(),
+            boottime: crate::clock::boottime(),
+        }
+    }
 }
 
 struct Shared {
@@ -42,9 +63,10 @@ struct Shared {
 }
 
 impl Shared {
-    fn renewed(&self, ttl: Duration) {
+    fn renewed(&self, sent: Sent, ttl: Duration) {
         *self.last.lock() = Renewal {
-            at: Instant::now(),
+            at: sent.at,
+            sent_boottime: sent.boottime,
             ttl,
         };
     }
@@ -88,7 +110,7 @@ impl KeepAlive {
         &self.lost_rx
     }
 
-    /// When etcd last confirmed the lease.
+    /// When the request of the last renewal etcd answered was sent.
     pub fn last_renewed(&self) -> Instant {
         self.shared.last.lock().at
     }
@@ -117,8 +139,19 @@ impl KeepAlive {
 pub struct RenewalClock(Arc<Shared>);
 
 impl RenewalClock {
+    /// When the request of the last answered renewal was sent.
     pub fn last_renewed(&self) -> Instant {
         self.0.last.lock().at
+    }
+
+    /// The same, on CLOCK_BOOTTIME (`crate::clock::boottime`).
+    pub fn last_sent_boottime(&self) -> Duration {
+        self.0.last.lock().sent_boottime
+    }
+
+    /// The TTL etcd gave at the last renewal.
+    pub fn ttl(&self) -> Duration {
+        self.0.last.lock().ttl
     }
 }
 
@@ -151,17 +184,28 @@ fn open(
     inner: &Inner,
     lease: LeaseId,
     stop: &StopSignal,
-) -> Result<(KeepAliveStream, i64), EtcdError> {
-    let deadline = Instant::now() + inner.call_timeout;
+) -> Result<(KeepAliveStream, i64, Sent), EtcdError> {
+    let deadline = Instant::now() + round_timeout(inner.call_timeout, None);
     inner.with_endpoint("LeaseKeepAlive", deadline, true, stop, |ep, deadline| {
         let pair = ep
             .lease
             .lease_keep_alive(CallOption::default())
             .map_err(|e| EtcdError::from_grpc("LeaseKeepAlive", &ep.name, e))?;
         let mut stream = DuplexStream::new("LeaseKeepAlive", &ep.name, pair);
+        let sent = Sent::now();
         let ttl = round(&mut stream, lease, deadline, stop)?;
-        Ok((stream, ttl))
+        Ok((stream, ttl, sent))
     })
+}
+
+/// A round waits at most the call deadline, and never more than a third
+/// of the TTL: a round that hangs must leave time for another inside the
+/// lease's life.
+fn round_timeout(call_timeout: Duration, ttl: Option<Duration>) -> Duration {
+    match ttl {
+        Some(ttl) => call_timeout.min(interval(ttl)),
+        None => call_timeout,
+    }
 }
 
 fn gone(e: &EtcdError) -> bool {
@@ -172,8 +216,8 @@ impl EtcdClient {
     /// Renews `lease` once (so that an unknown lease or an unreachable etcd
     /// is an error here), then keeps renewing it from a thread.
     pub fn keep_alive(&self, lease: LeaseId) -> Result<KeepAlive, EtcdError> {
-        let (stream, ttl) = match open(&self.inner, lease, &StopSignal::none()) {
-            Ok((_, ttl)) if ttl <= 0 => return Err(EtcdError::LeaseNotFound { lease }),
+        let (stream, ttl, sent) = match open(&self.inner, lease, &StopSignal::none()) {
+            Ok((_, ttl, _)) if ttl <= 0 => return Err(EtcdError::LeaseNotFound { lease }),
             Err(e) if gone(&e) => return Err(EtcdError::LeaseNotFound { lease }),
             r => r?,
         };
@@ -181,7 +225,8 @@ impl EtcdClient {
         let (lost_tx, lost_rx) = crossbeam_channel::bounded(0);
         let shared = Arc::new(Shared {
             last: Mutex::new(Renewal {
-                at: Instant::now(),
+                at: sent.at,
+                sent_boottime: sent.boottime,
                 ttl,
             }),
             lost_tx: Mutex::new(Some(lost_tx)),
@@ -214,16 +259,20 @@ fn run(
     let mut failing = false;
     while stop.sleep(next) {
         let result = match stream.as_mut() {
-            Some(s) => round(s, lease, Instant::now() + inner.call_timeout, stop),
-            None => open(inner, lease, stop).map(|(s, ttl)| {
+            Some(s) => {
+                let sent = Sent::now();
+                let deadline = Instant::now() + round_timeout(inner.call_timeout, Some(ttl));
+                round(s, lease, deadline, stop).map(|t| (t, sent))
+            }
+            None => open(inner, lease, stop).map(|(s, ttl, sent)| {
                 stream = Some(s);
-                ttl
+                (ttl, sent)
             }),
         };
         match result {
-            Ok(ttl) if ttl > 0 => {
+            Ok((ttl, sent)) if ttl > 0 => {
                 let ttl = Duration::from_secs(ttl.unsigned_abs());
-                shared.renewed(ttl);
+                shared.renewed(sent, ttl);
                 if failing {
                     log::info!("etcd lease {lease}: renewed again");
                 }

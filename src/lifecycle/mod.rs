@@ -226,6 +226,7 @@ impl Lifecycle {
                 node,
                 reason,
                 me,
+                crate::claims::fencing::FreeRule::Operator,
                 self.core.opts.attach_timeout,
                 &self.core.shutdown,
             )

@@ -167,7 +167,12 @@ fn worker(core: &Core, alloc_id: &str, alias: &str) {
                         attempts: backoff.attempts() + 1,
                     },
                 );
-                if let Err(why) = backoff.wait(&core.shutdown) {
+                // A claim store that answers again (etcd back) ends the
+                // wait early: the free it waits for goes on at once.
+                let claims = core.claims.clone();
+                let shutdown = core.shutdown.clone();
+                let mut sleep = |d| claims.wait_reachable(d, &shutdown);
+                if let Err(why) = backoff.wait_with(&core.shutdown, &mut sleep) {
                     break ReleaseState::Stopped {
                         error: match why {
                             Interrupted::Shutdown => {

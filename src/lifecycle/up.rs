@@ -138,6 +138,12 @@ pub fn step(
     let Some(call) = up.next() else {
         return Ok(Step::Done);
     };
+    // No call up under a claim the cluster may have freed: confirmed in
+    // this process under a lease still valid, or read back (`fencing`).
+    // A mount resumed after a pause or a restore lands here too.
+    core.claims
+        .check_call_up(&rec.volume_id, alloc_id)
+        .map_err(StepError::Claim)?;
     match call {
         Call::ControllerPublish => {
             // Attached to this node for another allocation already (in

@@ -85,6 +85,10 @@ pub struct NodeSpec {
     pub csi_call_timeout: Option<String>,
     /// More flags for the node's test plugin.
     pub plugin_args: Vec<String>,
+    /// Without a controller side: NodeStage requires the publish context
+    /// of a ControllerPublish (`--require-contexts`, block storage);
+    /// false for a node-only plugin (NFS-like: nothing to attach).
+    pub requires_contexts: bool,
 }
 
 /// A node whose plugin serves the controller side for itself and for
@@ -97,6 +101,7 @@ pub fn host(name: &str, others: &[&str]) -> NodeSpec {
         cluster: Vec::new(),
         csi_call_timeout: None,
         plugin_args: Vec::new(),
+        requires_contexts: true,
     }
 }
 
@@ -110,10 +115,26 @@ pub fn node_only(name: &str) -> NodeSpec {
         cluster: Vec::new(),
         csi_call_timeout: None,
         plugin_args: Vec::new(),
+        requires_contexts: true,
+    }
+}
+
+/// A node whose plugin has no controller side and needs none (`--no-controller`
+/// only): its volumes are node-only (NFS-like), nothing can fence them.
+pub fn nfs_node(name: &str) -> NodeSpec {
+    NodeSpec {
+        requires_contexts: false,
+        ..node_only(name)
     }
 }
 
 impl NodeSpec {
+    /// Sets a field of the agent's `cluster` section.
+    pub fn cluster_field(mut self, key: &str, value: Value) -> NodeSpec {
+        self.cluster.push((key.to_string(), value));
+        self
+    }
+
     pub fn proxied(mut self) -> NodeSpec {
         self.proxied = true;
         self
@@ -132,6 +153,14 @@ impl NodeSpec {
     pub fn stop_after_disconnect(mut self, d: &str) -> NodeSpec {
         self.cluster
             .push(("stop_after_disconnect".to_string(), json!(d)));
+        self
+    }
+
+    /// Marks the test plugin as fencing (`cluster.fencing_plugins`): this
+    /// agent's reaper detaches and frees the volumes of a gone node.
+    pub fn fencing(mut self) -> NodeSpec {
+        self.cluster
+            .push(("fencing_plugins".to_string(), json!([PLUGIN_ID])));
         self
     }
 }
@@ -163,7 +192,8 @@ impl Node {
                 let others: Vec<&str> = others.iter().map(String::as_str).collect();
                 builder.known_nodes(&others).start()
             }
-            None => builder.no_controller().require_contexts().start(),
+            None if spec.requires_contexts => builder.no_controller().require_contexts().start(),
+            None => builder.no_controller().start(),
         };
         let proxy = spec.proxied.then(|| {
             Proxy::start(
@@ -181,6 +211,8 @@ impl Node {
         }
         let cluster = config.cluster.as_mut().expect("a cluster section");
         cluster["lease_ttl"] = json!(LEASE_TTL);
+        // At most half the TTL (the config refuses more).
+        cluster["call_timeout"] = json!("1s");
         for (k, v) in &spec.cluster {
             cluster[k.as_str()] = v.clone();
         }

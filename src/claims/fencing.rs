@@ -1,0 +1,559 @@
+//! Fencing: every safety decision of cluster mode that depends on time or
+//! on what this process has seen, in one place. A reader finds here
+//!
+//! - the **lease-validity clock**: the send time (CLOCK_BOOTTIME) of the
+//!   last keep-alive etcd answered, fed by the liveness thread; the lease
+//!   is valid by this node's own clock while
+//!   `now < sent + lease_ttl·(1−ρ) − LEASE_MARGIN`;
+//! - the **persisted deadline**: `lease-clock.json` in the state directory
+//!   keeps the boot ID, the lease ID and that send time, written atomically
+//!   at most every `lease_ttl`/3, so that a restarted agent knows how long
+//!   the cluster cannot have freed its claims: until `sent +
+//!   stop_after_disconnect`. A different boot ID, an unreadable or missing
+//!   file count as expired;
+//! - **claims confirmed in this process**: a claim may be used for a call up
+//!   (ControllerPublish, NodeStage, NodePublish) only under the lease it was
+//!   confirmed with (taken by a `Txn`, or read back from etcd after that
+//!   lease was registered), and only while that lease is valid. A mount
+//!   resumed after a pause, or a node back with a new lease, reads its
+//!   claim again before it calls up;
+//! - the **margin arithmetic**: with ρ the clock drift rate (`DRIFT`), τ
+//!   this node's self-release check period plus scheduling delay, U its
+//!   longest unmount (NodeUnpublish + NodeUnstage at their deadlines) and M
+//!   a margin (`MARGIN`), the cluster acts on a node's claims no earlier
+//!   than `s + (TTL + W)(1−ρ)` and the node is done by `s + D(1+ρ) + τ + U`;
+//!   observers wait `W = D + U + τ + 2ρD + M` (`observer_wait`) and a
+//!   config that cannot meet `(TTL + W)(1−ρ) > D(1+ρ) + τ + U + M` is
+//!   refused (`check_margins`).
+//!
+//! The lifecycle asks `ClaimStore::check_call_up` before every call up; the
+//! etcd store answers from here. The reaper (`crate::cluster`) computes
+//! its wait from `observer_wait` and frees only by the rules in
+//! `may_free_unfenced`.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+use serde::{Deserialize, Serialize};
+
+use crate::clock::boottime;
+use crate::etcd::{LeaseId, RenewalClock};
+
+/// ρ: the drift rate assumed between two nodes' clocks (0.1 %: twenty
+/// times what NTP-less quartz drifts, about 50 ppm). Only monotonic clocks
+/// are compared with it, never two machines' wall clocks.
+pub const DRIFT: f64 = 0.001;
+/// M: slack on top of every bound (scheduling, a slow disk).
+pub const MARGIN: Duration = Duration::from_secs(1);
+/// Subtracted from the lease's life before a call up: the call is sent
+/// with this much of the lease left at least.
+pub const LEASE_MARGIN: Duration = Duration::from_millis(200);
+/// Scheduling delay counted into τ on top of the check period.
+pub const SCHEDULING_DELAY: Duration = Duration::from_millis(500);
+
+/// The file of the persisted lease clock, in the state directory.
+pub const LEASE_CLOCK_FILE: &str = "lease-clock.json";
+
+/// What `lease-clock.json` holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseClockFile {
+    pub boot_id: String,
+    /// The lease, in etcd's hex form.
+    pub lease_id: String,
+    /// CLOCK_BOOTTIME (ms) at which the last answered keep-alive was sent.
+    pub sent_boottime_ms: u64,
+}
+
+/// How often a node checks its own lease for the self-release.
+pub fn self_release_period(ttl: Duration) -> Duration {
+    (ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2))
+}
+
+/// τ for a node whose self-release check runs every `check_period`.
+pub fn tau(check_period: Duration) -> Duration {
+    check_period + SCHEDULING_DELAY
+}
+
+/// U for a node whose CSI calls have `csi_call` as deadline: NodeUnpublish
+/// and NodeUnstage, each at its deadline.
+pub fn unmount_bound(csi_call: Duration) -> Duration {
+    csi_call * 2
+}
+
+/// W: how long an observer waits, after it first saw a node's liveness
+/// gone, before the cluster acts on the node's claims.
+pub fn observer_wait(window: Duration, unmount: Duration, tau: Duration) -> Duration {
+    window + unmount + tau + window.mul_f64(2.0 * DRIFT) + MARGIN
+}
+
+/// Refuses settings under which the node might still be using a volume
+/// when the cluster acts on its claims.
+pub fn check_margins(
+    ttl: Duration,
+    window: Duration,
+    unmount: Duration,
+    tau: Duration,
+) -> Result<(), String> {
+    let w = observer_wait(window, unmount, tau);
+    let cluster_acts = (ttl + w).mul_f64(1.0 - DRIFT);
+    let node_done = window.mul_f64(1.0 + DRIFT) + tau + unmount + MARGIN;
+    if cluster_acts > node_done {
+        Ok(())
+    } else {
+        Err(format!(
+            "the cluster could act on this node's claims {cluster_acts:?} after its last renewal, before it is done with its volumes ({node_done:?}): (lease_ttl + W)(1-{DRIFT}) must exceed stop_after_disconnect(1+{DRIFT}) + tau + U + M"
+        ))
+    }
+}
+
+/// Whether the cluster may free a claim of a node gone for good without a
+/// fence: only when the cluster's config opts in (`free_unfenced_claims`,
+/// the user's risk: nothing on a paused or crashed node acts).
+pub fn may_free_unfenced(opted_in: bool) -> bool {
+    opted_in
+}
+
+/// Whether ControllerUnpublish of `plugin_id` counts as a fence: only for
+/// plugins the operator marked as fencing.
+pub fn unpublish_fences(fencing_plugins: &[String], plugin_id: &str) -> bool {
+    fencing_plugins.iter().any(|p| p == plugin_id)
+}
+
+/// Who frees the claims of a node that is gone, and so by which rule.
+#[derive(Clone, Copy, Debug)]
+pub enum FreeRule<'a> {
+    /// An operator said so (`volume detach --node`): detach when the node
+    /// held an attachment, then free.
+    Operator,
+    /// The cluster's reaper: free only a volume that was fenced from the
+    /// node (ControllerUnpublish OK of a plugin in `fencing_plugins`), or
+    /// any when the cluster opted in to freeing unfenced claims.
+    Cluster {
+        fencing_plugins: &'a [String],
+        free_unfenced: bool,
+    },
+}
+
+/// What the rule lets the reaper do with one volume of a gone node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FreeDecision {
+    /// Detach through the controller (a fence, or the operator's or the
+    /// opt-in's word), then free.
+    DetachThenFree,
+    /// Nothing to detach; free.
+    Free,
+    /// Keep the claims: nothing can fence the volume from that node.
+    Keep { why: String },
+}
+
+impl FreeRule<'_> {
+    /// `attached_plugin`: the plugin of the node's controller attachment
+    /// of the volume, if it has one.
+    pub fn decide(&self, attached_plugin: Option<&str>) -> FreeDecision {
+        match (self, attached_plugin) {
+            (FreeRule::Operator, Some(_)) => FreeDecision::DetachThenFree,
+            (FreeRule::Operator, None) => FreeDecision::Free,
+            (
+                FreeRule::Cluster {
+                    fencing_plugins,
+                    free_unfenced,
+                },
+                Some(p),
+            ) => {
+                if unpublish_fences(fencing_plugins, p) || may_free_unfenced(*free_unfenced) {
+                    FreeDecision::DetachThenFree
+                } else {
+                    FreeDecision::Keep {
+                        why: format!(
+                            "plugin {p} is not in cluster.fencing_plugins: its ControllerUnpublish is not known to cut the node off"
+                        ),
+                    }
+                }
+            }
+            (FreeRule::Cluster { free_unfenced, .. }, None) => {
+                if may_free_unfenced(*free_unfenced) {
+                    FreeDecision::Free
+                } else {
+                    FreeDecision::Keep {
+                        why: "the volume has no controller attachment, so nothing can fence it from that node".to_string(),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The fencing state of one agent.
+pub struct Fencing {
+    ttl: Duration,
+    window: Option<Duration>,
+    boot_id: String,
+    path: PathBuf,
+    /// The previous run's last answered send time (this boot only).
+    persisted: Option<Duration>,
+    live: Mutex<Option<(LeaseId, RenewalClock)>>,
+    /// (volume, alloc) -> the lease it was confirmed under.
+    confirmed: Mutex<HashMap<(String, String), LeaseId>>,
+    /// The send time last written to the file.
+    written: Mutex<Option<Duration>>,
+    /// Counts the times etcd answered again after a gap (a registration,
+    /// or a renewal after more than half a TTL without one); waiters on
+    /// `back_cv` retry what waits for the claim store at once.
+    back: Mutex<(u64, Option<Duration>)>,
+    back_cv: Condvar,
+}
+
+impl Fencing {
+    /// Reads the persisted clock of `state_dir` (a missing, unreadable or
+    /// other-boot file counts as expired and is said in the log).
+    pub fn open(
+        state_dir: &Path,
+        boot_id: &str,
+        ttl: Duration,
+        window: Option<Duration>,
+    ) -> Fencing {
+        let path = state_dir.join(LEASE_CLOCK_FILE);
+        let persisted = match std::fs::read(&path) {
+            Ok(bytes) => match serde_json::from_slice::<LeaseClockFile>(&bytes) {
+                Ok(f) if f.boot_id == boot_id => Some(Duration::from_millis(f.sent_boottime_ms)),
+                Ok(_) => {
+                    log::info!(
+                        "{}: written before the last reboot: the lease it records is expired",
+                        path.display()
+                    );
+                    None
+                }
+                Err(e) => {
+                    log::error!(
+                        "{}: not a lease clock ({e}): counted as expired (calls up wait for etcd); it is replaced at the next renewal",
+                        path.display()
+                    );
+                    None
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => {
+                log::error!(
+                    "{}: cannot be read ({e}): counted as expired",
+                    path.display()
+                );
+                None
+            }
+        };
+        Fencing {
+            ttl,
+            window,
+            boot_id: boot_id.to_string(),
+            path,
+            persisted,
+            live: Mutex::new(None),
+            confirmed: Mutex::new(HashMap::new()),
+            written: Mutex::new(None),
+            back: Mutex::new((0, None)),
+            back_cv: Condvar::new(),
+        }
+    }
+
+    /// The liveness thread registered `lease`; `clock` reads its renewals.
+    pub fn lease_registered(&self, lease: LeaseId, clock: RenewalClock) {
+        let sent = clock.last_sent_boottime();
+        *self.live.lock() = Some((lease, clock));
+        self.persist();
+        let mut back = self.back.lock();
+        *back = (back.0 + 1, Some(sent));
+        self.back_cv.notify_all();
+    }
+
+    /// Waits up to `timeout`, less when etcd answers again after a gap;
+    /// false when the agent stops.
+    pub fn wait_back(&self, timeout: Duration, shutdown: &crate::shutdown::Shutdown) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut back = self.back.lock();
+        let start = back.0;
+        while back.0 == start {
+            if shutdown.is_triggered() {
+                return false;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return true;
+            }
+            // Bounded slices: the shutdown flag is re-checked.
+            let slice = (deadline - now).min(Duration::from_millis(200));
+            self.back_cv.wait_for(&mut back, slice);
+        }
+        !shutdown.is_triggered()
+    }
+
+    /// etcd said the lease is gone: nothing confirmed under it counts.
+    pub fn lease_lost(&self) {
+        *self.live.lock() = None;
+    }
+
+    /// The send time (CLOCK_BOOTTIME) of the last keep-alive etcd answered,
+    /// in this run or, on the same boot, the previous one.
+    pub fn last_sent(&self) -> Option<Duration> {
+        let live = self
+            .live
+            .lock()
+            .as_ref()
+            .map(|(_, c)| c.last_sent_boottime());
+        let written = *self.written.lock();
+        [live, written, self.persisted].into_iter().flatten().max()
+    }
+
+    /// How long ago that was.
+    pub fn since_last_sent(&self) -> Option<Duration> {
+        self.last_sent().map(|s| boottime().saturating_sub(s))
+    }
+
+    /// The current lease, while it is valid by this node's own clock.
+    pub fn valid_lease(&self) -> Option<LeaseId> {
+        let live = self.live.lock();
+        let (lease, clock) = live.as_ref()?;
+        let life = clock
+            .ttl()
+            .min(self.ttl)
+            .mul_f64(1.0 - DRIFT)
+            .saturating_sub(LEASE_MARGIN);
+        let age = boottime().saturating_sub(clock.last_sent_boottime());
+        (age < life).then_some(*lease)
+    }
+
+    /// Whether a call up may go out without etcd's word on the claim: with
+    /// no `stop_after_disconnect` only an operator frees a claim; with one,
+    /// only before `last_sent + window`.
+    pub fn without_etcd(&self) -> Result<(), String> {
+        let Some(window) = self.window else {
+            return Ok(());
+        };
+        match self.last_sent() {
+            Some(s) if boottime() < s + window => Ok(()),
+            Some(s) => Err(format!(
+                "this node's lease was last renewed {:?} ago, more than stop_after_disconnect ({window:?}): the cluster may have freed the claim, so no call up is made before etcd confirms it",
+                boottime().saturating_sub(s)
+            )),
+            None => Err(format!(
+                "no renewal of this node's lease is known since boot ({} missing or expired): the cluster may have freed the claim, so no call up is made before etcd confirms it",
+                self.path.display()
+            )),
+        }
+    }
+
+    /// The claim was taken, or read back, while `lease` was this node's.
+    pub fn confirm(&self, volume_id: &str, alloc_id: &str, lease: LeaseId) {
+        self.confirmed
+            .lock()
+            .insert((volume_id.to_string(), alloc_id.to_string()), lease);
+    }
+
+    /// The claim may be used now without reading it again.
+    pub fn is_confirmed(&self, volume_id: &str, alloc_id: &str) -> bool {
+        let Some(lease) = self.valid_lease() else {
+            return false;
+        };
+        self.confirmed
+            .lock()
+            .get(&(volume_id.to_string(), alloc_id.to_string()))
+            == Some(&lease)
+    }
+
+    /// The claim is freed or given up: forget it.
+    pub fn forget(&self, volume_id: &str, alloc_id: &str) {
+        self.confirmed
+            .lock()
+            .remove(&(volume_id.to_string(), alloc_id.to_string()));
+    }
+
+    /// Writes the current send time to the file, atomically, when it moved
+    /// by at least a third of the TTL since the last write.
+    pub fn persist(&self) {
+        let Some((lease, sent)) = self
+            .live
+            .lock()
+            .as_ref()
+            .map(|(l, c)| (*l, c.last_sent_boottime()))
+        else {
+            return;
+        };
+        {
+            let mut back = self.back.lock();
+            if let Some(prev) = back.1 {
+                if sent > prev && sent - prev > self.ttl / 2 {
+                    back.0 += 1;
+                    self.back_cv.notify_all();
+                }
+            }
+            back.1 = Some(sent);
+        }
+        {
+            let written = self.written.lock();
+            if written.is_some_and(|w| sent < w + self.ttl / 3) {
+                return;
+            }
+        }
+        let file = LeaseClockFile {
+            boot_id: self.boot_id.clone(),
+            lease_id: lease.to_string(),
+            sent_boottime_ms: sent.as_millis() as u64,
+        };
+        match write_atomically(&self.path, &file) {
+            Ok(()) => {
+                let mut written = self.written.lock();
+                // Never moves back (two writers cannot race here: one
+                // liveness thread).
+                if !matches!(*written, Some(w) if w >= sent) {
+                    *written = Some(sent);
+                }
+            }
+            Err(e) => log::warn!(
+                "cannot write {}: {e} (a restart counts from the last time it was written)",
+                self.path.display()
+            ),
+        }
+    }
+}
+
+fn write_atomically(path: &Path, file: &LeaseClockFile) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let bytes = serde_json::to_vec(file).expect("a lease clock always encodes");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(&bytes)?;
+    f.sync_data()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observers_wait_long_enough_for_the_defaults() {
+        let ttl = Duration::from_secs(15);
+        let d = Duration::from_secs(60);
+        let u = unmount_bound(Duration::from_secs(60));
+        let t = tau(Duration::from_secs(2));
+        assert!(check_margins(ttl, d, u, t).is_ok());
+        let w = observer_wait(d, u, t);
+        assert!(w > d + u + t);
+    }
+
+    #[test]
+    fn a_huge_window_with_a_tiny_ttl_is_refused() {
+        // 2ρ²D grows past TTL(1−ρ) for a window of weeks on a 2 s lease.
+        let r = check_margins(
+            Duration::from_secs(2),
+            Duration::from_secs(3_000_000),
+            Duration::from_secs(10),
+            Duration::from_secs(1),
+        );
+        assert!(r.is_err(), "{r:?}");
+    }
+
+    #[test]
+    fn a_missing_file_is_expired_and_without_a_window_nothing_waits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = Fencing::open(dir.path(), "boot", Duration::from_secs(2), None);
+        assert_eq!(f.last_sent(), None);
+        assert!(f.without_etcd().is_ok());
+        let f = Fencing::open(
+            dir.path(),
+            "boot",
+            Duration::from_secs(2),
+            Some(Duration::from_secs(4)),
+        );
+        assert!(f.without_etcd().is_err());
+        assert_eq!(f.valid_lease(), None);
+        assert!(!f.is_confirmed("v", "a"));
+    }
+
+    #[test]
+    fn a_file_of_this_boot_sets_the_deadline_and_another_boot_does_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = boottime();
+        let file = LeaseClockFile {
+            boot_id: "this".into(),
+            lease_id: "1".into(),
+            sent_boottime_ms: now.as_millis() as u64,
+        };
+        write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &file).expect("write");
+        let window = Some(Duration::from_secs(10));
+        let f = Fencing::open(dir.path(), "this", Duration::from_secs(2), window);
+        assert!(f.without_etcd().is_ok());
+        assert!(f.since_last_sent().is_some());
+        let f = Fencing::open(dir.path(), "other", Duration::from_secs(2), window);
+        assert!(f.without_etcd().is_err());
+        // Long past: expired.
+        let old = LeaseClockFile {
+            sent_boottime_ms: now.saturating_sub(Duration::from_secs(20)).as_millis() as u64,
+            ..file
+        };
+        write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &old).expect("write");
+        let f = Fencing::open(dir.path(), "this", Duration::from_secs(2), window);
+        assert!(f.without_etcd().is_err());
+    }
+
+    #[test]
+    fn a_corrupt_file_is_expired_and_left_for_the_next_renewal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(LEASE_CLOCK_FILE), b"{not json").expect("write");
+        let f = Fencing::open(
+            dir.path(),
+            "b",
+            Duration::from_secs(2),
+            Some(Duration::from_secs(60)),
+        );
+        assert!(f.without_etcd().is_err());
+    }
+
+    #[test]
+    fn only_marked_plugins_fence() {
+        let marked = vec!["san".to_string()];
+        assert!(unpublish_fences(&marked, "san"));
+        assert!(!unpublish_fences(&marked, "nfs"));
+        assert!(!may_free_unfenced(false));
+    }
+
+    #[test]
+    fn the_reaper_frees_only_what_is_fenced_or_opted_in() {
+        let marked = vec!["san".to_string()];
+        let cluster = FreeRule::Cluster {
+            fencing_plugins: &marked,
+            free_unfenced: false,
+        };
+        assert_eq!(cluster.decide(Some("san")), FreeDecision::DetachThenFree);
+        assert!(matches!(
+            cluster.decide(Some("nfs")),
+            FreeDecision::Keep { .. }
+        ));
+        assert!(matches!(cluster.decide(None), FreeDecision::Keep { .. }));
+        let opted = FreeRule::Cluster {
+            fencing_plugins: &[],
+            free_unfenced: true,
+        };
+        assert_eq!(opted.decide(None), FreeDecision::Free);
+        assert_eq!(opted.decide(Some("nfs")), FreeDecision::DetachThenFree);
+        assert_eq!(FreeRule::Operator.decide(None), FreeDecision::Free);
+        assert_eq!(
+            FreeRule::Operator.decide(Some("nfs")),
+            FreeDecision::DetachThenFree
+        );
+    }
+}

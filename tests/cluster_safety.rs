@@ -1,0 +1,240 @@
+//! Cluster safety (issue 22): the cases in which a single-writer volume
+//! could end up in use on two nodes, or a claim freed while its volume is
+//! still mounted, each reproduced with real agents, a real etcd, real
+//! mounts and the test plugin's call log. Each of these fails on e20db15:
+//!
+//! 1. a paused agent's node-only volume is not given to another node (the
+//!    cluster cannot fence it): it stays claimed, the reaper says so;
+//! 2. an agent restarted while cut off keeps counting its self-release
+//!    from its last renewal (persisted), not from its restart;
+//! 3. an agent restarted after the cluster freed its claim does not stage
+//!    or publish the volume again: it releases the allocation;
+//! 4. a volume is deregistered only while it has no claim (one `Txn`).
+//!
+//! The harness is tests/cluster_controller_support.
+
+mod agent_support;
+mod cluster_controller_support;
+mod common;
+mod etcd_support;
+
+use std::path::Path;
+
+use agent_support::*;
+use cluster_controller_support::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// A single-writer volume.
+fn volume() -> Value {
+    volume_json("v", "ext-v", &["single-node-writer"])
+}
+
+/// Waits until every thread of `pid` is stopped (state `T` in
+/// /proc/PID/task/*/stat): a SIGSTOP has taken effect only then.
+fn wait_stopped(pid: u32) {
+    wait_until(
+        SHOW_TIMEOUT,
+        &format!("process {pid} to be stopped"),
+        || {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                return false;
+            };
+            tasks.flatten().all(|t| {
+                std::fs::read_to_string(t.path().join("stat"))
+                    .ok()
+                    .and_then(|s| {
+                        s.rsplit_once(')')
+                            .map(|(_, rest)| rest.trim_start().starts_with('T'))
+                    })
+                    .unwrap_or(true)
+            })
+        },
+    );
+}
+
+fn stop(n: &Node) -> u32 {
+    let pid = n.agent.pid().expect("the agent runs");
+    send_signal(pid, libc::SIGSTOP);
+    wait_stopped(pid);
+    pid
+}
+
+/// The call-log lines of `method` made after `since_ms`.
+fn calls_since(n: &Node, method: &str, since_ms: u64) -> Vec<Value> {
+    n.calls_of(method)
+        .into_iter()
+        .filter(|c| ts(c) >= since_ms)
+        .collect()
+}
+
+fn assert_mounted(path: &Path) {
+    assert!(
+        is_mount_point(path),
+        "{} is no longer mounted",
+        path.display()
+    );
+}
+
+// ---- 1. A paused node's node-only volume stays claimed ----------------------
+
+#[test]
+fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
+    let c = Cluster::start(vec![
+        nfs_node("a").stop_after_disconnect(STOP_AFTER),
+        nfs_node("b").stop_after_disconnect(STOP_AFTER),
+    ]);
+    c.add_volume(&volume());
+    let (a, b) = (c.node("a"), c.node("b"));
+    let path = a.mount_ok("p1", "data=v");
+    b.mount_waiting("q1", "data=v");
+    wait_until(SHOW_TIMEOUT, "q1 to wait for p1", || {
+        b.volume_status("q1")["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains(&held_by("p1", "a"))
+    });
+    let pid = stop(a);
+    c.wait_gone("a");
+    // b's reaper waits out a's window and margins, then keeps the claim:
+    // nothing can fence a node-only volume from a paused node.
+    wait_until(RETRY_TIMEOUT, "b's reaper to keep a's claim", || {
+        b.agent
+            .log()
+            .contains("volume v stays claimed by unreachable node a")
+    });
+    assert_eq!(c.holders("v"), ["p1"]);
+    assert_ne!(b.volume_status("q1")["phase"], "published");
+    assert!(b.calls_of(NP).is_empty(), "{:?}", b.calls_of(NP));
+    assert!(c.keys("freed/").is_empty());
+    assert_mounted(&path);
+    // a goes on: its own clock says its lease is long gone, so it lets go
+    // by itself; then b gets the volume, after a's unmount.
+    send_signal(pid, libc::SIGCONT);
+    wait_until(RETRY_TIMEOUT, "b's mount after a let go", || {
+        b.volume_status("q1")["phase"] == "published"
+    });
+    assert!(!is_mount_point(&path));
+    let nup = a.one_call(NUP);
+    let np = b.one_call(NP);
+    assert!(ts(&np) >= ts(&nup), "b published {np} before a's {nup}");
+    assert!(a.agent.log().contains("released while disconnected"));
+    assert_eq!(c.holders("v"), ["q1"]);
+}
+
+// ---- 2. A restart during a partition keeps the self-release clock -----------
+
+#[test]
+fn a_restart_while_cut_off_does_not_reset_the_self_release_clock() {
+    const WINDOW: &str = "5s";
+    const WINDOW_MS: u64 = 5000;
+    let mut c = Cluster::start(vec![
+        nfs_node("a").proxied().stop_after_disconnect(WINDOW),
+        nfs_node("b"),
+    ]);
+    c.add_volume(&volume());
+    let path = c.node("a").mount_ok("p1", "data=v");
+    let lease_clock = c.node("a").agent.config.state_dir.join("lease-clock.json");
+    wait_until(SHOW_TIMEOUT, "a's lease clock file", || {
+        lease_clock.exists()
+    });
+    let cut_at = now_ms();
+    c.node("a").cut();
+    c.node_mut("a").agent.kill();
+    assert_mounted(&path);
+    // Restart a (still cut off) once its window has passed since the cut.
+    wait_until(RETRY_TIMEOUT, "a's window to pass", || {
+        now_ms() >= cut_at + WINDOW_MS + 500
+    });
+    let restarted_at = now_ms();
+    c.node_mut("a").agent.restart();
+    let a = c.node("a");
+    // It lets go at once: its last renewal is older than the window.
+    wait_until(RETRY_TIMEOUT, "a's NodeUnpublish after the restart", || {
+        !calls_since(a, NUP, restarted_at).is_empty()
+    });
+    let nup = &calls_since(a, NUP, restarted_at)[0];
+    assert!(
+        ts(nup) < restarted_at + WINDOW_MS,
+        "a released {} ms after its restart, as if its clock had started again",
+        ts(nup) - restarted_at
+    );
+    assert!(!is_mount_point(&path));
+    // Nothing was staged or published again meanwhile.
+    assert!(calls_since(a, NS, restarted_at).is_empty());
+    assert!(calls_since(a, NP, restarted_at).is_empty());
+    a.heal();
+    c.wait_alive("a");
+    wait_until(RETRY_TIMEOUT, "a to free p1", || c.holders("v").is_empty());
+}
+
+// ---- 3. A restart after the cluster freed the claim -------------------------
+
+#[test]
+fn a_restart_after_the_cluster_freed_the_claim_stages_and_publishes_nothing() {
+    // b opts in to freeing unfenced claims: the cluster frees a's claim.
+    let mut c = Cluster::start(vec![
+        nfs_node("a").stop_after_disconnect(STOP_AFTER),
+        nfs_node("b")
+            .stop_after_disconnect(STOP_AFTER)
+            .cluster_field("free_unfenced_claims", json!(true)),
+    ]);
+    c.add_volume(&volume());
+    let path = c.node("a").mount_ok("p1", "data=v");
+    c.node_mut("a").agent.kill();
+    // The mounts vanish while the agent is down (an operator's umount, or
+    // the plugin's own cleanup): its restore would mount them again.
+    for m in c.node("a").mounts().iter().rev() {
+        let out = std::process::Command::new("umount")
+            .arg(&m.mount_point)
+            .output()
+            .expect("run umount");
+        assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
+    }
+    assert!(!is_mount_point(&path));
+    c.wait_gone("a");
+    wait_until(RETRY_TIMEOUT, "the cluster to free p1", || {
+        c.get_json("freed/v/p1").is_some()
+    });
+    c.node("b").mount_ok("q1", "data=v");
+    let restarted_at = now_ms();
+    c.node_mut("a").agent.restart();
+    let a = c.node("a");
+    wait_until(RETRY_TIMEOUT, "a to release p1", || a.no_allocs());
+    assert!(
+        calls_since(a, NS, restarted_at).is_empty(),
+        "{:?}",
+        calls_since(a, NS, restarted_at)
+    );
+    assert!(calls_since(a, NP, restarted_at).is_empty());
+    assert!(a.mounts().is_empty(), "{:?}", a.mounts());
+    assert_eq!(c.holders("v"), ["q1"]);
+    assert_eq!(c.node("b").targets().len(), 1);
+}
+
+// ---- 4. Deregistration and a claim -------------------------------------------
+
+#[test]
+fn the_shared_registration_of_a_claimed_volume_is_not_deleted() {
+    let c = Cluster::start(vec![nfs_node("a")]);
+    c.add_volume(&volume());
+    c.node("a").mount_ok("p1", "data=v");
+    // The agent's own check (a claim list) comes first; the delete itself
+    // must hold against a take that lands between that list and it: one
+    // `Txn` comparing the volume's claims range empty.
+    let state_dir = TestDir::new();
+    let state = std::sync::Arc::new(
+        claimd::state::StateStore::open(state_dir.path()).expect("a state directory"),
+    );
+    let store = claimd::claims::EtcdClaims::new(c.etcd.client(), PREFIX, state);
+    let r = claimd::claims::SharedVolumes::delete(&store, "v");
+    assert!(
+        r.is_err(),
+        "deleted the registration of a claimed volume: {r:?}"
+    );
+    assert!(c.get_json("volumes/v").is_some());
+    c.node("a").release_ok("p1");
+    let r = claimd::claims::SharedVolumes::delete(&store, "v");
+    assert_eq!(r, Ok(true));
+    assert!(c.get_json("volumes/v").is_none());
+}
