@@ -56,10 +56,10 @@ pub struct StoredClaim {
 
 /// Claims in etcd, shared by the cluster.
 pub struct EtcdClaims {
-    client: EtcdClient,
+    pub(super) client: EtcdClient,
     /// Without a trailing slash, e.g. `/claimd`.
-    prefix: String,
-    state: Arc<StateStore>,
+    pub(super) prefix: String,
+    pub(super) state: Arc<StateStore>,
     /// This node's claims as it last wrote them, with their mod revision:
     /// a later change of one is a single `Txn` comparing that revision
     /// (read first only when the compare fails: changed elsewhere, or not
@@ -80,7 +80,7 @@ pub struct EtcdClaims {
     /// every claim this process writes has a later mod revision, so the
     /// reconciliation tells this run's claims from older ones by revision,
     /// never by wall clocks.
-    first_take_read: Arc<std::sync::atomic::AtomicI64>,
+    pub(super) first_take_read: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl EtcdClaims {
@@ -145,7 +145,7 @@ impl EtcdClaims {
         Ok(self.client.get(key).map_err(unavailable)?.is_some())
     }
 
-    fn all_prefix(&self) -> String {
+    pub(super) fn all_prefix(&self) -> String {
         format!("{}/claims/", self.prefix)
     }
 
@@ -816,152 +816,5 @@ impl super::ClaimWatch for ClaimsWatch {
             Ok(_) => !shutdown.is_triggered() && shutdown.sleep_until(deadline),
             Err(_) => !shutdown.is_triggered(),
         }
-    }
-}
-
-/// What the start-up reconciliation found.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Reconciled {
-    /// (volume, alloc) of this node's claims without a local record, freed.
-    pub freed: Vec<(String, String)>,
-    /// Such claims kept because something of them is still mounted.
-    pub kept: Vec<(String, String)>,
-    /// (volume, alloc, why) of local records past their claim whose claim
-    /// etcd no longer holds: freed by the cluster (the disconnect rule) or
-    /// by hand while this node was away. Their allocations must go.
-    pub lost: Vec<(String, String, String)>,
-}
-
-impl EtcdClaims {
-    /// Claims in etcd held by `node` for which no local record exists (a
-    /// crash between the claim store's round trip and the local write, or a
-    /// state directory replaced by hand) are freed, after checking that
-    /// nothing of theirs is mounted under `mount_root`. Only claims taken
-    /// before this process's first take (by etcd revision) are looked at: a
-    /// claim this process takes is recorded locally right after.
-    pub fn reconcile(
-        &self,
-        node: &str,
-        mount_root: &std::path::Path,
-    ) -> Result<Reconciled, ClaimError> {
-        // The local records first: one past its claim was in etcd before
-        // it was recorded, so a claim missing from the later read was freed.
-        let past_claim: Vec<(String, String)> = self.state.read(|s| {
-            s.alloc_volumes()
-                .filter(|(a, v)| {
-                    !a.releasing
-                        && matches!(
-                            v.phase,
-                            crate::state::Phase::Mounting | crate::state::Phase::Published
-                        )
-                })
-                .map(|(a, v)| (v.volume_id.clone(), a.id.clone()))
-                .collect()
-        });
-        let r = self
-            .client
-            .range_prefix(self.all_prefix())
-            .map_err(unavailable)?;
-        // Held by this node, or not known by whom (a value that is not a
-        // claim is never taken for a freed one).
-        let held: std::collections::HashSet<(String, String)> = r
-            .kvs
-            .iter()
-            .filter_map(|kv| match parse(kv) {
-                Ok(s) if s.claim.node == node => Some((s.claim.volume_id, s.claim.alloc_id)),
-                Ok(_) => None,
-                Err(_) => {
-                    let key = kv.key_str();
-                    let rest = key.strip_prefix(&self.all_prefix())?;
-                    let (v, a) = rest.split_once('/')?;
-                    Some((v.to_string(), a.to_string()))
-                }
-            })
-            .collect();
-        let mut lost = Vec::new();
-        for (volume_id, alloc_id) in past_claim {
-            if held.contains(&(volume_id.clone(), alloc_id.clone())) {
-                continue;
-            }
-            let note = self
-                .client
-                .get(format!("{}/freed/{volume_id}/{alloc_id}", self.prefix))
-                .map_err(unavailable)?;
-            let why = note
-                .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
-                .and_then(|v| v["reason"].as_str().map(str::to_string));
-            match why {
-                // Freed on purpose (the disconnect rule, or by hand).
-                Some(why) => lost.push((volume_id, alloc_id, why)),
-                // Gone without a trace (a changed prefix or node name, an
-                // etcd restored from an old backup, a store switched from
-                // one node): never a reason to unmount a workload.
-                None => log::error!(
-                    "cluster: allocation {alloc_id} on this node records volume {volume_id} but etcd holds no claim of it by this node and no note of it being freed: keeping the allocation (check the cluster section's prefix and node_name)"
-                ),
-            }
-        }
-        let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
-            store: "mountinfo".to_string(),
-            reason: e.to_string(),
-        })?;
-        let mut out = Reconciled {
-            lost,
-            ..Reconciled::default()
-        };
-        for kv in &r.kvs {
-            let Ok(stored) = parse(kv) else {
-                // A corrupt value is reported where it is used, never
-                // touched here.
-                continue;
-            };
-            let c = &stored.claim;
-            // Taken (or confirmed) by this process: its record follows.
-            let first = self
-                .first_take_read
-                .load(std::sync::atomic::Ordering::SeqCst);
-            let this_run = first != 0 && kv.mod_revision > first;
-            if c.node != node || this_run {
-                continue;
-            }
-            let recorded = self.state.read(|s| {
-                s.allocs
-                    .get(&c.alloc_id)
-                    .is_some_and(|a| a.volumes.values().any(|v| v.volume_id == c.volume_id))
-            });
-            if recorded {
-                continue;
-            }
-            let key = (c.volume_id.clone(), c.alloc_id.clone());
-            let dir = mount_root
-                .join("per-alloc")
-                .join(&c.alloc_id)
-                .join(&c.volume_id);
-            if !table.under(&dir).is_empty() {
-                log::error!(
-                    "cluster: claim of volume {} by allocation {} on this node has no local record but {} still has mounts; keeping it (free it with `claimd claim free` once they are gone)",
-                    c.volume_id,
-                    c.alloc_id,
-                    dir.display()
-                );
-                out.kept.push(key);
-                continue;
-            }
-            // Only this very claim: one taken again meanwhile stays.
-            let same = Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
-            let t = self
-                .client
-                .txn(&[same], &[TxnOp::delete(kv.key.clone())], &[])
-                .map_err(unavailable)?;
-            if t.succeeded {
-                log::warn!(
-                    "cluster: freed the claim of volume {} by allocation {} on this node: no local record holds it (a crash between the claim store and the local write) and nothing of it is mounted",
-                    c.volume_id,
-                    c.alloc_id
-                );
-                out.freed.push(key);
-            }
-        }
-        Ok(out)
     }
 }

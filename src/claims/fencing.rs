@@ -27,7 +27,7 @@
 //!   refused (`check_margins`).
 //!
 //! The lifecycle asks `ClaimStore::check_call_up` before every call up; the
-//! etcd store answers from here. The reaper (`crate::cluster`) computes
+//! etcd store answers from here. The cluster's reaper computes
 //! its wait from `observer_wait` and frees only by the rules in
 //! `may_free_unfenced`.
 

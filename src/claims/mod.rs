@@ -23,12 +23,14 @@ pub mod controller_calls;
 mod embedded;
 pub mod etcd;
 pub mod fencing;
+mod reconcile;
 pub mod remote;
 mod rules;
 
 pub use crate::state::{Claim, ClaimMode, ClaimState};
 pub use embedded::EmbeddedClaims;
 pub use etcd::EtcdClaims;
+pub use reconcile::Reconciled;
 pub use remote::{
     AttachError, AttachRequest, ControllerHostRecord, NodeDetach, RemoteController,
     RemoteControllers,
