@@ -1934,6 +1934,44 @@ fn a_timed_out_publish_that_completes_late_leaves_no_mount() {
     assert_all_released_leaving(&h, &released_tree());
 }
 
+/// A rollback after a timed-out NodePublish sends its first NodeUnpublish
+/// only after the plugin had time to finish the late call (issue 22,
+/// defect 13): a plugin that records the publish in its own books without
+/// a visible mount is otherwise left published.
+fn the_rollback_of_a_timed_out_publish_waits_before_its_first_unpublish() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::SingleNodeWriter]));
+    h.wait_plugin_ready();
+    h.plugin.faults().set(json!([
+        {"method": NP, "action": "late", "ms": 300, "count": 1},
+        {"method": NP, "action": "fail", "code": "INVALID_ARGUMENT",
+         "message": "bad flags", "count": 1}
+    ]));
+    let err = h
+        .m()
+        .mount("a1", &[request("data", "v", false)])
+        .expect_err("the second NodePublish fails for good");
+    assert!(matches!(err, MountError::Csi { .. }), "{err:?}");
+    assert!(h.m().wait_released("a1", WAIT), "the rollback ends");
+    let calls = h.lifecycle_calls();
+    let late = calls
+        .iter()
+        .find(|c| c["method"] == NP && c["late"] == true)
+        .expect("the late NodePublish was carried out");
+    let first_nu = calls
+        .iter()
+        .find(|c| c["method"] == NU)
+        .expect("unpublished");
+    let ts = |c: &Value| c["ts_ms"].as_u64().expect("ts_ms");
+    assert!(
+        ts(first_nu) >= ts(late),
+        "the first NodeUnpublish ({}) came before the late NodePublish ended ({}): {calls:#?}",
+        ts(first_nu),
+        ts(late)
+    );
+    assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
+}
+
 /// A mount that shared another allocation's staging and attachment, and
 /// fails after that allocation was released, undoes both: the rollback's
 /// way down counts users, not only the calls it sent itself.
@@ -2098,6 +2136,7 @@ both_stores!(
     a_failed_mount_that_shared_the_staging_undoes_it_when_it_was_the_last_user,
     restore_converges_from_an_earlier_releases_controller_publishing,
     a_timed_out_publish_that_completes_late_leaves_no_mount,
+    the_rollback_of_a_timed_out_publish_waits_before_its_first_unpublish,
     one_staging_path_per_volume_read_only_at_publish,
     a_recorded_staging_path_of_the_old_layout_is_kept_and_shared,
     each_release_step_starts_its_own_backoff,

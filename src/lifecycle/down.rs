@@ -143,6 +143,10 @@ pub fn step(
     };
     match call {
         Call::NodeUnpublish => {
+            // A timed-out call up may still be running in the plugin: its
+            // negation goes only once it had time to finish (else the
+            // plugin finishes the publish after the unpublish).
+            wait_out_uncertain(core, alloc_id, alias)?;
             let node = core
                 .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
                 .map_err(StepError::Plugin)?;
@@ -168,6 +172,7 @@ pub fn step(
                 .store
                 .read(|s| s.staging_users_but(&staging, me, &past));
             if rec.holds_staging && others == 0 {
+                wait_out_uncertain(core, alloc_id, alias)?;
                 let node = core
                     .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
                     .map_err(StepError::Plugin)?;
@@ -283,23 +288,10 @@ fn settle(
     alias: &str,
     rec: &AllocVolume,
 ) -> Result<Option<Call>, StepError> {
-    let Some(since) = core.progress.uncertain_since(alloc_id, alias) else {
+    if core.progress.uncertain_since(alloc_id, alias).is_none() {
         return Ok(None);
-    };
-    let until = since + core.opts.uncertain_settle;
-    let now = Instant::now();
-    if now < until {
-        log::info!(
-            "release of {alloc_id}/{alias}: a call timed out {:?} ago; waiting {:?} for the plugin to finish it before the volume is detached or its claim freed",
-            now - since,
-            until - now
-        );
-        // Under the volume's operation lock: no other operation of this
-        // volume starts meanwhile.
-        if !core.shutdown.sleep(until - now) {
-            return Err(StepError::Stopping);
-        }
     }
+    wait_out_uncertain(core, alloc_id, alias)?;
     let mounted = |p: &Path| {
         crate::mounts::is_mount_point(p).map_err(|source| {
             StepError::StillMounted(StillMounted::Unknown {
@@ -330,4 +322,28 @@ fn settle(
     }
     core.progress.clear_uncertain(alloc_id, alias);
     Ok(None)
+}
+
+/// When a call of this volume timed out (the plugin may still be carrying
+/// it out), waits until it had time to finish: the plugin's bound, the CSI
+/// call deadline, after the timeout. Under the volume's operation lock: no
+/// other operation of this volume starts meanwhile. The mark stays, for
+/// `settle`'s check before the detach and the free.
+fn wait_out_uncertain(core: &Core, alloc_id: &str, alias: &str) -> Result<(), StepError> {
+    let Some(since) = core.progress.uncertain_since(alloc_id, alias) else {
+        return Ok(());
+    };
+    let until = since + core.opts.uncertain_settle;
+    let now = Instant::now();
+    if now < until {
+        log::info!(
+            "release of {alloc_id}/{alias}: a call timed out {:?} ago; waiting {:?} for the plugin to finish it before undoing it",
+            now - since,
+            until - now
+        );
+        if !core.shutdown.sleep(until - now) {
+            return Err(StepError::Stopping);
+        }
+    }
+    Ok(())
 }
