@@ -34,6 +34,8 @@ pub enum AgentError {
     },
     /// The cluster section names endpoints or TLS files etcd cannot use.
     Cluster(crate::etcd::EtcdError),
+    /// This node's instance ID cannot be read or made.
+    Identity(String),
     /// `metrics_listen` cannot be bound (in use, not local, or the unit's
     /// RestrictAddressFamilies= leaves out its family).
     MetricsListen {
@@ -49,6 +51,7 @@ impl fmt::Display for AgentError {
             AgentError::Api(e) => e.fmt(f),
             AgentError::Io { what, .. } => f.write_str(what),
             AgentError::Cluster(_) => f.write_str("cluster mode cannot start"),
+            AgentError::Identity(why) => f.write_str(why),
             AgentError::MetricsListen { addr, source } => {
                 write!(f, "config field metrics_listen: cannot listen on {addr}")?;
                 if source.raw_os_error() == Some(libc::EAFNOSUPPORT) {
@@ -69,6 +72,7 @@ impl std::error::Error for AgentError {
                 Some(source)
             }
             AgentError::Cluster(e) => Some(e),
+            AgentError::Identity(_) => None,
         }
     }
 }
@@ -168,8 +172,15 @@ impl Agent {
                         ),
                     }
                 );
+                let instance = crate::claims::fencing::instance_id(&config.state_dir)
+                    .map_err(AgentError::Identity)?;
+                log::info!(
+                    "cluster: this node is {} (instance {instance})",
+                    config.node_name
+                );
                 let fencing = Arc::new(Fencing::open(
                     &config.state_dir,
+                    &instance,
                     store.boot_id(),
                     c.lease_ttl,
                     c.stop_after_disconnect,

@@ -238,3 +238,67 @@ fn the_shared_registration_of_a_claimed_volume_is_not_deleted() {
     assert_eq!(r, Ok(true));
     assert!(c.get_json("volumes/v").is_none());
 }
+
+// ---- 5. A reused node name ----------------------------------------------------
+
+/// A second machine with the same `node_name` (a replaced or restored VM,
+/// a new state directory) is another instance: it does not register while
+/// the original's lease is alive, and once it does (the original cut off),
+/// it does not free the original's claims, although nothing of them is
+/// mounted on it.
+#[test]
+fn a_second_instance_of_a_node_name_neither_registers_nor_frees_the_claims() {
+    let c = Cluster::start(vec![nfs_node("a").proxied()]);
+    c.add_volume(&volume());
+    let a = c.node("a");
+    let path = a.mount_ok("p1", "data=v");
+    let original = c.get_json("nodes/a").expect("nodes/a");
+    // The twin: its own directory, plugin and state, the same name.
+    let tdir = c.dir.path().join("twin");
+    let plugin = TestPlugin::builder(&tdir)
+        .no_controller()
+        .node_id("ext-a")
+        .start();
+    let mut config =
+        AgentConfig::new(&tdir, Some(&plugin.socket)).cluster_node("a", &[c.etcd.endpoint()]);
+    let cluster = config.cluster.as_mut().expect("a cluster section");
+    cluster["lease_ttl"] = json!(LEASE_TTL);
+    cluster["call_timeout"] = json!("1s");
+    let mut twin = Agent::prepare(&tdir, "agent", config, false, &[]);
+    twin.spawn();
+    twin.wait_listening();
+    wait_until(SHOW_TIMEOUT, "the twin to be refused", || {
+        twin.log()
+            .contains("registered in etcd by another instance")
+    });
+    assert_eq!(
+        c.get_json("nodes/a").expect("nodes/a")["instance"],
+        original["instance"]
+    );
+    // The original is cut off: its lease ends, the twin registers and
+    // reconciles, and keeps the original's claim.
+    a.cut();
+    wait_until(RETRY_TIMEOUT, "the twin to register", || {
+        c.get_json("nodes/a")
+            .is_some_and(|r| r["instance"] != original["instance"])
+    });
+    wait_until(RETRY_TIMEOUT, "the twin's reconciliation", || {
+        twin.log().contains("by another instance") && twin.log().contains("not freed by this one")
+    });
+    assert_eq!(
+        c.holders("v"),
+        ["p1"],
+        "twin: {}\na: {}",
+        twin.log(),
+        a.agent.log()
+    );
+    assert_mounted(&path);
+    // The twin cannot take the claim over either.
+    let out = twin.cli(&["alloc", "mount", "p1", "--volume", "data=v", "--json"]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("another instance"), "{}", out.stderr);
+    assert!(mounts_under(&tdir).is_empty());
+    assert_eq!(c.holders("v"), ["p1"]);
+    twin.kill();
+    a.heal();
+}

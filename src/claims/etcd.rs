@@ -52,6 +52,10 @@ pub struct StoredClaim {
     pub claim: Claim,
     /// When the claim was taken (milliseconds since the epoch).
     pub taken_at_ms: u64,
+    /// The instance of the node that took it (`fencing::instance_id`):
+    /// another instance of the same name never frees or reuses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 /// Claims in etcd, shared by the cluster.
@@ -114,6 +118,19 @@ impl EtcdClaims {
         if let (Some(f), Some(lease)) = (&self.fencing, lease) {
             f.confirm(volume_id, alloc_id, lease);
         }
+    }
+
+    /// This node's instance, when the store has one (agents do).
+    pub fn instance(&self) -> Option<&str> {
+        self.fencing.as_ref().map(|f| f.instance())
+    }
+
+    /// The claim was taken by another instance of this node's name.
+    pub(super) fn other_instance(&self, stored: &StoredClaim) -> bool {
+        matches!(
+            (self.instance(), stored.instance.as_deref()),
+            (Some(me), Some(them)) if me != them
+        )
     }
 
     fn lease_before(&self) -> Option<crate::etcd::LeaseId> {
@@ -301,6 +318,15 @@ impl EtcdClaims {
                     others.push(c);
                     continue;
                 }
+                if c.node == req.node && self.other_instance(&stored) {
+                    return Err(ClaimError::Impossible {
+                        volume_id: req.volume_id.clone(),
+                        reason: format!(
+                            "allocation {} holds it on node {} under another instance of that name (a replaced machine, or a new state directory): free it with `claimd claim free` once the old instance is known to be gone",
+                            req.alloc_id, c.node
+                        ),
+                    });
+                }
                 if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
                     // This allocation holds it already (a mount asked
                     // again, maybe after a crash): confirm it with a fresh
@@ -357,6 +383,7 @@ impl EtcdClaims {
                     last_error: None,
                 },
                 taken_at_ms: now_ms(),
+                instance: self.instance().map(str::to_string),
             };
             let value = serde_json::to_vec(&stored).expect("a claim always encodes");
             let key = self.key(&req.volume_id, &req.alloc_id);
@@ -414,6 +441,13 @@ impl EtcdClaims {
                 return Ok(());
             };
             let stored = parse(&kv)?;
+            if self.other_instance(&stored) {
+                log::info!(
+                    "cluster: claim {key} is held under node name {holder} by another instance: left alone"
+                );
+                self.known.lock().remove(&key);
+                return Ok(());
+            }
             if stored.claim.node != holder {
                 log::info!(
                     "cluster: claim {key} is held by node {} now, not {holder}: left alone",
@@ -465,7 +499,9 @@ impl EtcdClaims {
                 return Ok(false);
             };
             let mut stored = parse(&kv)?;
-            if !self.node.is_empty() && stored.claim.node != self.node {
+            if (!self.node.is_empty() && stored.claim.node != self.node)
+                || self.other_instance(&stored)
+            {
                 // The same allocation ID held on another node by now.
                 self.known.lock().remove(&key);
                 return Ok(false);
@@ -518,12 +554,7 @@ impl SharedVolumes for EtcdClaims {
     /// other way round).
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
         let key = self.volume_key(volume_id);
-        let unclaimed = Compare::mod_revision(
-            self.volume_prefix(volume_id).into_bytes(),
-            CompareOp::Less,
-            1,
-        )
-        .with_prefix();
+        let unclaimed = Compare::prefix_empty(self.volume_prefix(volume_id));
         let t = self
             .client
             .txn(&[unclaimed], &[TxnOp::delete(key.as_bytes())], &[])
@@ -692,12 +723,15 @@ impl ClaimStore for EtcdClaims {
         match self.client.get(&key) {
             Ok(Some(kv)) => {
                 let stored = parse(&kv)?;
-                if !self.node.is_empty() && stored.claim.node != self.node {
+                if (!self.node.is_empty() && stored.claim.node != self.node)
+                    || self.other_instance(&stored)
+                {
                     return Err(ClaimError::Impossible {
                         volume_id: volume_id.to_string(),
                         reason: format!(
-                            "the claim of allocation {alloc_id} is held by node {} now, not this node",
-                            stored.claim.node
+                            "the claim of allocation {alloc_id} is held by node {} (instance {}) now, not this instance",
+                            stored.claim.node,
+                            stored.instance.as_deref().unwrap_or("unknown")
                         ),
                     });
                 }

@@ -56,6 +56,42 @@ pub const SCHEDULING_DELAY: Duration = Duration::from_millis(500);
 
 /// The file of the persisted lease clock, in the state directory.
 pub const LEASE_CLOCK_FILE: &str = "lease-clock.json";
+/// The file of this node's instance ID, in the state directory.
+pub const INSTANCE_FILE: &str = "instance-id";
+
+/// This node's instance ID: a node is an instance, not a name. Made once
+/// per state directory (128 random bits, hex), so a replaced or restored
+/// machine that reuses the name, with another state directory, is another
+/// instance: it cannot register while the original's lease is alive, and
+/// it never frees the original's claims. A file that is not an ID stops
+/// the agent, naming it (never overwritten).
+pub fn instance_id(state_dir: &Path) -> Result<String, String> {
+    let path = state_dir.join(INSTANCE_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let id = text.trim();
+            if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                Ok(id.to_string())
+            } else {
+                Err(format!(
+                    "{} is not an instance ID (32 hex digits): fix or remove it by hand (removing it makes this node a new instance, which frees none of the old one's claims)",
+                    path.display()
+                ))
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut bytes = [0u8; 16];
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+                .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+            let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            write_bytes_atomically(&path, format!("{id}\n").as_bytes())
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            Ok(id)
+        }
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+    }
+}
 
 /// What `lease-clock.json` holds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,6 +225,8 @@ impl FreeRule<'_> {
 
 /// The fencing state of one agent.
 pub struct Fencing {
+    /// This node's instance ID (`instance_id`).
+    instance: String,
     ttl: Duration,
     window: Option<Duration>,
     boot_id: String,
@@ -212,6 +250,7 @@ impl Fencing {
     /// other-boot file counts as expired and is said in the log).
     pub fn open(
         state_dir: &Path,
+        instance: &str,
         boot_id: &str,
         ttl: Duration,
         window: Option<Duration>,
@@ -245,6 +284,7 @@ impl Fencing {
             }
         };
         Fencing {
+            instance: instance.to_string(),
             ttl,
             window,
             boot_id: boot_id.to_string(),
@@ -256,6 +296,10 @@ impl Fencing {
             back: Mutex::new((0, None)),
             back_cv: Condvar::new(),
         }
+    }
+
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     /// The liveness thread registered `lease`; `clock` reads its renewals.
@@ -419,8 +463,12 @@ impl Fencing {
 }
 
 fn write_atomically(path: &Path, file: &LeaseClockFile) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     let bytes = serde_json::to_vec(file).expect("a lease clock always encodes");
+    write_bytes_atomically(path, &bytes)
+}
+
+fn write_bytes_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -430,7 +478,7 @@ fn write_atomically(path: &Path, file: &LeaseClockFile) -> std::io::Result<()> {
         .truncate(true)
         .mode(0o600)
         .open(&tmp)?;
-    f.write_all(&bytes)?;
+    f.write_all(bytes)?;
     f.sync_data()?;
     drop(f);
     std::fs::rename(&tmp, path)?;
@@ -470,11 +518,12 @@ mod tests {
     #[test]
     fn a_missing_file_is_expired_and_without_a_window_nothing_waits() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let f = Fencing::open(dir.path(), "boot", Duration::from_secs(2), None);
+        let f = Fencing::open(dir.path(), "i", "boot", Duration::from_secs(2), None);
         assert_eq!(f.last_sent(), None);
         assert!(f.without_etcd().is_ok());
         let f = Fencing::open(
             dir.path(),
+            "i",
             "boot",
             Duration::from_secs(2),
             Some(Duration::from_secs(4)),
@@ -495,10 +544,10 @@ mod tests {
         };
         write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &file).expect("write");
         let window = Some(Duration::from_secs(10));
-        let f = Fencing::open(dir.path(), "this", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "this", Duration::from_secs(2), window);
         assert!(f.without_etcd().is_ok());
         assert!(f.since_last_sent().is_some());
-        let f = Fencing::open(dir.path(), "other", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "other", Duration::from_secs(2), window);
         assert!(f.without_etcd().is_err());
         // Long past: expired.
         let old = LeaseClockFile {
@@ -506,7 +555,7 @@ mod tests {
             ..file
         };
         write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &old).expect("write");
-        let f = Fencing::open(dir.path(), "this", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "this", Duration::from_secs(2), window);
         assert!(f.without_etcd().is_err());
     }
 
@@ -516,11 +565,29 @@ mod tests {
         std::fs::write(dir.path().join(LEASE_CLOCK_FILE), b"{not json").expect("write");
         let f = Fencing::open(
             dir.path(),
+            "i",
             "b",
             Duration::from_secs(2),
             Some(Duration::from_secs(60)),
         );
         assert!(f.without_etcd().is_err());
+    }
+
+    #[test]
+    fn an_instance_id_is_made_once_and_a_bad_one_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = instance_id(dir.path()).expect("made");
+        assert_eq!(a.len(), 32);
+        assert_eq!(instance_id(dir.path()).expect("read"), a);
+        let other = tempfile::tempdir().expect("tempdir");
+        assert_ne!(instance_id(other.path()).expect("made"), a);
+        std::fs::write(dir.path().join(INSTANCE_FILE), "../x").expect("write");
+        let e = instance_id(dir.path()).expect_err("refused");
+        assert!(e.contains(INSTANCE_FILE), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(INSTANCE_FILE)).expect("read"),
+            "../x"
+        );
     }
 
     #[test]

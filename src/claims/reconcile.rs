@@ -102,6 +102,21 @@ impl EtcdClaims {
                 continue;
             };
             let c = &stored.claim;
+            // Another instance of this node's name took it (a replaced
+            // machine, a new state directory): never freed from here.
+            // (Taken before instances existed, or by a store without one:
+            // this name's, kept only if something is mounted.)
+            if c.node == node && self.other_instance(&stored) {
+                log::error!(
+                    "cluster: claim of volume {} by allocation {} is held under node name {} by another instance ({}): not freed by this one; free it with `claimd claim free` once that instance is known to be gone",
+                    c.volume_id,
+                    c.alloc_id,
+                    c.node,
+                    stored.instance.as_deref().unwrap_or_default()
+                );
+                out.kept.push((c.volume_id.clone(), c.alloc_id.clone()));
+                continue;
+            }
             // Taken (or confirmed) by this process: its record follows.
             let first = self
                 .first_take_read

@@ -28,6 +28,10 @@ pub struct NodeRecord {
     pub pid: u32,
     pub started_at_ms: u64,
     pub version: String,
+    /// The instance (`claims::fencing::instance_id`); empty from agents
+    /// before it existed.
+    #[serde(default)]
+    pub instance: String,
 }
 
 /// Where this node's liveness stands.
@@ -75,9 +79,11 @@ impl NodeLiveness {
             fencing.clone(),
         );
         threads.spawn("etcd-liveness".to_string(), move || {
+            let instance = f.instance().to_string();
             let reg = Registration {
                 key: &key,
                 node: &node,
+                instance: &instance,
                 durable: &durable,
             };
             run(&client, &reg, ttl, &shutdown, &st, &f, &*on_registered)
@@ -146,7 +152,78 @@ impl NodeLiveness {
 struct Registration<'a> {
     key: &'a str,
     node: &'a str,
+    instance: &'a str,
     durable: &'a [(String, Vec<u8>)],
+}
+
+/// Why a registration did not go through.
+enum RegisterError {
+    Etcd(crate::etcd::EtcdError),
+    /// The name is registered by another instance whose lease is alive.
+    OtherInstance(String),
+    /// The key changed between the two transactions: try again.
+    Changed,
+}
+
+impl std::fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegisterError::Etcd(e) => f.write_str(&crate::error_chain(e)),
+            RegisterError::OtherInstance(why) => f.write_str(why),
+            RegisterError::Changed => f.write_str("the liveness key changed meanwhile"),
+        }
+    }
+}
+
+/// Writes the liveness key on `lease` by `Txn`: only while it is absent or
+/// this instance's own (a restart of this agent before its old lease
+/// ended). Another live instance of the same name is refused, never
+/// overwritten: a replaced machine waits for the original's lease to end.
+fn register(
+    client: &EtcdClient,
+    reg: &Registration<'_>,
+    value: &[u8],
+    lease: LeaseId,
+) -> Result<(), RegisterError> {
+    use crate::etcd::{Compare, CompareOp, TxnOp};
+    let mut ops = vec![TxnOp::put_with_lease(reg.key, value.to_vec(), lease)];
+    ops.extend(
+        reg.durable
+            .iter()
+            .map(|(k, v)| TxnOp::put(k.clone(), v.clone())),
+    );
+    let t = client
+        .txn(&[Compare::absent(reg.key)], &ops, &[TxnOp::get(reg.key)])
+        .map_err(RegisterError::Etcd)?;
+    if t.succeeded {
+        return Ok(());
+    }
+    let Some(kv) = t.first_range().and_then(|r| r.kvs.first()) else {
+        return Err(RegisterError::Changed);
+    };
+    let theirs: Option<NodeRecord> = serde_json::from_slice(&kv.value).ok();
+    match theirs {
+        Some(r) if r.instance == reg.instance => {
+            let same = Compare::mod_revision(reg.key, CompareOp::Equal, kv.mod_revision);
+            let t = client.txn(&[same], &ops, &[]).map_err(RegisterError::Etcd)?;
+            if t.succeeded {
+                Ok(())
+            } else {
+                Err(RegisterError::Changed)
+            }
+        }
+        Some(r) => Err(RegisterError::OtherInstance(format!(
+            "node name {} is registered in etcd by another instance ({}, pid {}, version {}) whose lease is alive: this agent stays unregistered until that lease ends (two machines with one node_name?)",
+            reg.node,
+            if r.instance.is_empty() { "an older agent" } else { &r.instance },
+            r.pid,
+            r.version
+        ))),
+        None => Err(RegisterError::OtherInstance(format!(
+            "{} holds a value that is not a node record: this agent stays unregistered until it is gone (it is left untouched)",
+            reg.key
+        ))),
+    }
 }
 
 fn run(
@@ -167,34 +244,35 @@ fn run(
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_string(),
+        instance: reg.instance.to_string(),
     };
     let value = serde_json::to_vec(&record).expect("a node record always encodes");
     let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     let mut backoff = Backoff::new(LIVENESS_BACKOFF, far);
     while !shutdown.is_triggered() {
-        let held = client.lease_grant(ttl).and_then(|lease| {
-            let mut ops = vec![crate::etcd::TxnOp::put_with_lease(
-                key,
-                value.clone(),
-                lease,
-            )];
-            ops.extend(
-                reg.durable
-                    .iter()
-                    .map(|(k, v)| crate::etcd::TxnOp::put(k.clone(), v.clone())),
-            );
-            client.txn(&[], &ops, &[])?;
-            client.keep_alive(lease).map(|k| (lease, k))
-        });
+        let held = client
+            .lease_grant(ttl)
+            .map_err(RegisterError::Etcd)
+            .and_then(|lease| {
+                if let Err(e) = register(client, reg, &value, lease) {
+                    // Not left to expire: the lease is this agent's alone.
+                    let _ = client.lease_revoke(lease);
+                    return Err(e);
+                }
+                client
+                    .keep_alive(lease)
+                    .map(|k| (lease, k))
+                    .map_err(RegisterError::Etcd)
+            });
         let (lease, keep_alive) = match held {
             Ok(k) => k,
             Err(e) => {
-                log::warn!(
-                    "cluster: cannot keep {key} alive: {} (retrying)",
-                    crate::error_chain(&e)
-                );
+                match &e {
+                    RegisterError::OtherInstance(_) => log::error!("cluster: {e} (retrying)"),
+                    _ => log::warn!("cluster: cannot keep {key} alive: {e} (retrying)"),
+                }
                 let mut st = status.lock();
-                st.last_error = Some(crate::error_chain(&e));
+                st.last_error = Some(e.to_string());
                 st.lease = None;
                 drop(st);
                 if backoff.wait(shutdown).is_err() {
