@@ -1732,6 +1732,36 @@ fn a_hung_call_hits_the_deadline_and_other_calls_still_answer() {
     assert_eq!(plugin.call_log().methods(), vec!["Probe", "NodeGetInfo"]);
 }
 
+/// `freeze` returns once every thread of the plugin is stopped, so a call
+/// made right after it cannot be answered; `thaw` once none is.
+#[test]
+fn a_frozen_plugin_has_every_thread_stopped_and_answers_once_thawed() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    assert_eq!(plugin.client().probe().expect("Probe"), Readiness::Ready);
+    let pid = plugin.pid().expect("running");
+    plugin.freeze();
+    let states = thread_states(pid).expect("the plugin's threads");
+    assert!(
+        states.len() > 1 && states.iter().all(|(_, s)| *s == 'T'),
+        "{states:?}"
+    );
+    expect_status(
+        plugin
+            .client_with_timeout(Duration::from_millis(300))
+            .probe(),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    plugin.thaw();
+    let states = thread_states(pid).expect("the plugin's threads");
+    assert!(states.iter().all(|(_, s)| *s != 'T'), "{states:?}");
+    assert_eq!(
+        plugin.client().probe().expect("Probe after the thaw"),
+        Readiness::Ready
+    );
+}
+
 #[test]
 fn a_delayed_call_blocks_neither_other_calls_nor_other_mounts() {
     let dir = TestDir::new();

@@ -42,6 +42,115 @@ pub fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool
     }
 }
 
+/// CLOCK_BOOTTIME in nanoseconds: the clock of the plugin's call log
+/// (`start_boottime_ns`, `end_boottime_ns`), the same in every process.
+pub fn boottime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer to a timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_BOOTTIME)");
+    let secs = u64::try_from(ts.tv_sec).expect("a time after boot");
+    let nanos = u64::try_from(ts.tv_nsec).expect("nanoseconds are positive");
+    secs * 1_000_000_000 + nanos
+}
+
+// ---- Freezing a process (SIGSTOP / SIGCONT) ---------------------------------
+
+/// How long a process may take to show every thread stopped after SIGSTOP
+/// (or none stopped after SIGCONT). A loaded machine delays the stop of a
+/// thread that is not on a CPU only a little; this bound is for a process
+/// that never stops at all.
+pub const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The scheduler state of every thread of `pid` (`tid`, the state letter
+/// of `/proc/PID/task/TID/stat`). Threads that exit while being read are
+/// left out; an error only when the process itself cannot be read.
+pub fn thread_states(pid: u32) -> io::Result<Vec<(u32, char)>> {
+    let mut states = Vec::new();
+    for entry in fs::read_dir(format!("/proc/{pid}/task"))? {
+        let entry = entry?;
+        let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let stat = match fs::read_to_string(entry.path().join("stat")) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        states.push((tid, stat_state(&stat).unwrap_or('?')));
+    }
+    Ok(states)
+}
+
+/// The state letter of a `stat` line: the first field after the command
+/// name, which is in parentheses and may itself contain spaces and
+/// parentheses (hence the last `)`).
+fn stat_state(stat: &str) -> Option<char> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.trim_start().chars().next()
+}
+
+fn signal_pid(pid: u32, sig: libc::c_int, what: &str) {
+    let p = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+    // SAFETY: kill(2) on a child the test started and has not reaped.
+    let rc = unsafe { libc::kill(p, sig) };
+    assert_eq!(
+        rc,
+        0,
+        "kill({pid}, {sig}) of {what}: {}",
+        io::Error::last_os_error()
+    );
+}
+
+/// Waits until `done` holds for the states of every thread of `pid`;
+/// panics naming `what`, `goal` and the threads that are not there yet.
+fn wait_threads(pid: u32, what: &str, goal: &str, done: impl Fn(char) -> bool) {
+    let start = Instant::now();
+    loop {
+        let states = thread_states(pid)
+            .unwrap_or_else(|e| panic!("cannot read the threads of {what} (pid {pid}): {e}"));
+        let late: Vec<String> = states
+            .iter()
+            .filter(|(_, s)| !done(*s))
+            .map(|(tid, s)| format!("{tid}:{s}"))
+            .collect();
+        if !states.is_empty() && late.is_empty() {
+            return;
+        }
+        if start.elapsed() >= FREEZE_TIMEOUT {
+            panic!(
+                "{what} (pid {pid}): {} of {} threads not {goal} after {FREEZE_TIMEOUT:?} \
+                 (tid:state {})",
+                late.len(),
+                states.len(),
+                late.join(" ")
+            );
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// SIGSTOP, and returns only once every thread of the process is stopped
+/// (state `T` in `/proc/PID/task/*/stat`; a zombie thread counts as
+/// stopped): from then on the process runs no code at all. The signal
+/// alone is not enough: it is delivered to each thread when the scheduler
+/// next runs it, and on a loaded machine a test could otherwise make its
+/// "frozen" calls while the process still answers.
+pub fn freeze(pid: u32, what: &str) {
+    signal_pid(pid, libc::SIGSTOP, what);
+    wait_threads(pid, what, "stopped", |s| matches!(s, 'T' | 'Z' | 'X'));
+}
+
+/// SIGCONT, and returns once no thread of the process is stopped any more
+/// (none in state `T`).
+pub fn thaw(pid: u32, what: &str) {
+    signal_pid(pid, libc::SIGCONT, what);
+    wait_threads(pid, what, "running again", |s| s != 'T');
+}
+
 /// One gRPC environment (completion-queue threads) for every client in
 /// the test process.
 pub fn grpc_env() -> Arc<grpcio::Environment> {
@@ -401,6 +510,16 @@ impl TestPlugin {
         self.process.wait_exit(deadline)
     }
 
+    /// SIGSTOP; returns once every thread of the plugin is stopped.
+    pub fn freeze(&self) {
+        self.process.freeze();
+    }
+
+    /// SIGCONT; returns once no thread of the plugin is stopped.
+    pub fn thaw(&self) {
+        self.process.thaw();
+    }
+
     /// SIGKILL, like a crash.
     pub fn kill(&mut self) {
         self.process.kill();
@@ -550,6 +669,22 @@ impl ChildProcess {
             status.is_some()
         });
         status.expect("wait_until returned, so the process exited")
+    }
+
+    /// SIGSTOP, returning once every thread is stopped (`freeze`).
+    pub fn freeze(&self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.what));
+        freeze(pid, &self.what);
+    }
+
+    /// SIGCONT, returning once no thread is stopped (`thaw`).
+    pub fn thaw(&self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.what));
+        thaw(pid, &self.what);
     }
 
     /// SIGKILL, like a crash; reaps the process.
