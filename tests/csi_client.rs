@@ -231,15 +231,34 @@ fn node_get_info_reports_node_id_limit_and_topology() {
         .max_volumes_per_node(3)
         .start();
     let info = plugin.client().node_get_info().expect("NodeGetInfo");
+    // No VOLUME_ACCESSIBILITY_CONSTRAINTS without --topology, so no
+    // topology either ("a plugin that returns this field MUST also set"
+    // that capability).
     assert_eq!(
         info,
         NodeInfo {
             node_id: "node-7".to_string(),
             max_volumes_per_node: 3,
-            topology: BTreeMap::from([("claimd.test/node".to_string(), "node-7".to_string())]),
+            topology: BTreeMap::new(),
         }
     );
     assert_eq!(plugin.call_log().methods(), vec!["NodeGetInfo"]);
+
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id("node-8")
+        .args(&["--topology", "zone=z1,rack=r2"])
+        .start();
+    let c = plugin.client();
+    let caps = c.get_plugin_capabilities().expect("GetPluginCapabilities");
+    assert!(caps.accessibility_constraints);
+    assert_eq!(
+        c.node_get_info().expect("NodeGetInfo").topology,
+        BTreeMap::from([
+            ("rack".to_string(), "r2".to_string()),
+            ("zone".to_string(), "z1".to_string()),
+        ])
+    );
 }
 
 // ---- Node: stage, publish, unpublish, unstage ----------------------------
@@ -562,6 +581,88 @@ fn invalid_arguments_are_final() {
         .calls()
         .iter()
         .all(|c| c["code"] == "INVALID_ARGUMENT"));
+}
+
+/// A volume_path that is not absolute names no mounted volume: the spec's
+/// NOT_FOUND ("volume does not exist on specified volume_path"), as
+/// csi-sanity expects, in NodeGetVolumeStats and NodeExpandVolume alike; a
+/// missing one is INVALID_ARGUMENT. The same for an absolute path where the
+/// volume is not mounted.
+#[test]
+fn a_volume_path_that_is_relative_or_not_the_volume_is_not_found() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v", "w"])
+        .args(&["--volume-stats", "--expansion"])
+        .start();
+    let c = plugin.client();
+    let none = BTreeMap::new();
+    let staging = dir.mkdir("staging");
+    let target = dir.mkdir("alloc").join("t");
+    c.node_stage_volume(&stage("v", &staging, &none))
+        .expect("NodeStage");
+    c.node_publish_volume(&publish("v", Some(&staging), &target, false, &none))
+        .expect("NodePublish");
+    let stats = |volume: &str, path: &str| NodeGetVolumeStatsRequest {
+        volume_id: volume.to_string(),
+        volume_path: path.to_string(),
+        ..Default::default()
+    };
+    let expand = |volume: &str, path: &str, staging: &str| NodeExpandVolumeRequest {
+        volume_id: volume.to_string(),
+        volume_path: path.to_string(),
+        staging_target_path: staging.to_string(),
+        ..Default::default()
+    };
+    let target_s = path_str(&target);
+    c.node_get_volume_stats(&stats("v", &target_s))
+        .expect("stats where v is published");
+    c.node_expand_volume(&expand("v", &target_s, &path_str(&staging)))
+        .expect("expand where v is published and staged");
+
+    let not_mounted = path_str(&dir.mkdir("empty"));
+    for bad in [
+        "relative/path",
+        "alloc/t",
+        ".",
+        "/tmp/../etc",
+        not_mounted.as_str(),
+    ] {
+        let e = expect_status(
+            c.node_get_volume_stats(&stats("v", bad)),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+        assert!(e.to_string().contains(bad), "{e}");
+        expect_status(
+            c.node_expand_volume(&expand("v", bad, "")),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+        expect_status(
+            c.node_expand_volume(&expand("v", &target_s, bad)),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+    }
+    // Another volume than the one mounted there.
+    expect_status(
+        c.node_get_volume_stats(&stats("w", &target_s)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    expect_status(
+        c.node_get_volume_stats(&stats("v", "")),
+        RpcStatusCode::INVALID_ARGUMENT,
+        ErrorClass::Final,
+    );
+    expect_status(
+        c.node_expand_volume(&expand("v", "", "")),
+        RpcStatusCode::INVALID_ARGUMENT,
+        ErrorClass::Final,
+    );
+    assert!(is_mount_point(&target), "nothing was undone");
 }
 
 // ---- Controller ----------------------------------------------------------

@@ -28,7 +28,10 @@ STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):
     (with STAGE_UNSTAGE_VOLUME) and the volume staged there (FAILED_PRECONDITION);
     NodeUnpublish and NodeUnstage of a path where another volume is mounted answer
     FAILED_PRECONDITION. A missing required field (IDs, paths, capabilities with
-    access type and access mode) answers INVALID_ARGUMENT.
+    access type and access mode) answers INVALID_ARGUMENT. A volume_path (or
+    NodeExpandVolume's staging_target_path) that is not absolute, or where the
+    volume is not mounted, answers NOT_FOUND (\"volume does not exist on
+    specified volume_path\").
     ValidateVolumeCapabilities confirms every capability of an existing volume.
 
 USAGE:
@@ -72,11 +75,12 @@ OPTIONS:
                                 VOLUME_ACCESSIBILITY_CONSTRAINTS: CreateVolume places
                                 a volume in its requisite segment sets (else the first
                                 preferred one, else this node's); without the flag
-                                NodeGetInfo answers {claimd.test/node: NODE_ID} and
-                                CreateVolume refuses accessibility_requirements
+                                NodeGetInfo reports no topology and CreateVolume
+                                refuses accessibility_requirements (INVALID_ARGUMENT),
+                                as the spec ties both to that capability
     --snapshots                 advertise CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and
                                 CLONE_VOLUME: a snapshot is a copy of the volume
-                                directory in <root>/snapshots/<snapshot_id> (ID
+                                directory in <storage>/snapshots/<snapshot_id> (ID
                                 snap-<name>); a volume created from a snapshot or a
                                 volume starts with a copy of its content
     --expansion                 advertise EXPAND_VOLUME (controller and node) and

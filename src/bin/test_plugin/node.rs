@@ -438,12 +438,15 @@ impl Plugin {
             ));
         }
         let id = valid_volume_id("volume_id", &req.volume_id)?;
-        let path = valid_path("volume_path", &req.volume_path)?;
-        if mount_at(path)?.is_none() {
-            return Err(Failure::new(
-                RpcStatusCode::NOT_FOUND,
-                format!("{} is not a mount point", path.display()),
-            ));
+        let path = volume_path("volume_path", &req.volume_path)?;
+        self.check_volume(id)?;
+        // The spec's NOT_FOUND: "volume_id does not exist on specified
+        // volume_path" (another volume mounted there is not this one).
+        if !self.mounted_here(path, id)? {
+            return Err(Failure::not_found(format!(
+                "volume {id} is not mounted at {}",
+                path.display()
+            )));
         }
         let st = statvfs(path).map_err(|e| io_failure("statvfs", path, e))?;
         let usage = |unit, total: u64, free: u64| {
@@ -484,12 +487,18 @@ impl Plugin {
         _req: NodeGetInfoRequest,
         _call: &Call,
     ) -> Outcome<NodeGetInfoResponse> {
-        let mut topology = Topology::new();
-        topology.segments = self.node_topology().into_iter().collect();
         let mut r = NodeGetInfoResponse::new();
         r.node_id = self.config.node_id.clone();
         r.max_volumes_per_node = self.config.max_volumes_per_node;
-        r.accessible_topology = MessageField::some(topology);
+        // "A plugin that returns this field MUST also set the
+        // VOLUME_ACCESSIBILITY_CONSTRAINTS plugin capability": only with
+        // --topology, the flag that advertises it (and makes CreateVolume
+        // accept accessibility_requirements).
+        if let Some(segments) = self.node_topology() {
+            let mut topology = Topology::new();
+            topology.segments = segments.into_iter().collect();
+            r.accessible_topology = MessageField::some(topology);
+        }
         Ok(r)
     }
 }
