@@ -2130,6 +2130,89 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
 
 // ---- The call log --------------------------------------------------------
 
+/// With --log-starts every call has a start line and (once it answers) an
+/// end line with the same call_id and CLOCK_BOOTTIME stamps within the
+/// test's own readings of that clock; a hung call stays started and not
+/// ended. Without the flag only end lines, with the same stamps.
+#[test]
+fn the_call_log_has_start_and_end_lines_on_one_machine_wide_clock() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .log_starts()
+        .start();
+    let c = plugin.client();
+    let before = boottime_ns();
+    assert_eq!(c.probe().expect("Probe"), Readiness::Ready);
+    plugin.faults().set(json!([
+        {"method": "NodeGetInfo", "action": "hang", "count": 1}
+    ]));
+    expect_status(
+        plugin
+            .client_with_timeout(Duration::from_millis(500))
+            .node_get_info(),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    c.node_get_capabilities().expect("NodeGetCapabilities");
+    let after = boottime_ns();
+
+    let log = plugin.call_log();
+    let pid = u64::from(plugin.pid().expect("running"));
+    let starts = log.starts();
+    let methods: Vec<&str> = starts
+        .iter()
+        .map(|l| l["method"].as_str().expect("method"))
+        .collect();
+    assert_eq!(methods, ["Probe", "NodeGetInfo", "NodeGetCapabilities"]);
+    // The hung NodeGetInfo: started, never ended.
+    let open = log.open_calls();
+    assert_eq!(open.len(), 1, "{open:?}");
+    assert_eq!(open[0]["method"], "NodeGetInfo");
+    assert_eq!(open[0]["call_id"], starts[1]["call_id"]);
+    assert_eq!(log.methods(), ["Probe", "NodeGetCapabilities"]);
+
+    let ends = log.calls();
+    for (start, end) in [(&starts[0], &ends[0]), (&starts[2], &ends[1])] {
+        assert_eq!(start["event"], "start");
+        assert_eq!(end["event"], "end");
+        assert_eq!(start["call_id"], end["call_id"]);
+        assert_eq!(start["pid"], pid);
+        assert_eq!(end["pid"], pid);
+        assert_eq!(start["code"], serde_json::Value::Null, "{start}");
+        assert_eq!(end["code"], "OK");
+        let s = start["start_boottime_ns"]
+            .as_u64()
+            .expect("start_boottime_ns");
+        assert_eq!(end["start_boottime_ns"].as_u64(), Some(s));
+        let e = end["end_boottime_ns"].as_u64().expect("end_boottime_ns");
+        assert!(
+            before <= s && s <= e && e <= after,
+            "{before} {s} {e} {after}"
+        );
+        assert_eq!(start["end_boottime_ns"], serde_json::Value::Null);
+    }
+    let started = |l: &serde_json::Value| l["start_boottime_ns"].as_u64().expect("a stamp");
+    assert!(started(&starts[0]) < started(&starts[1]));
+    assert!(started(&starts[1]) < started(&starts[2]));
+    let ids: std::collections::HashSet<&str> = starts
+        .iter()
+        .map(|l| l["call_id"].as_str().expect("call_id"))
+        .collect();
+    assert_eq!(ids.len(), 3, "call IDs are unique: {ids:?}");
+
+    // Without --log-starts: end lines only, stamped the same way.
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    plugin.client().probe().expect("Probe");
+    let lines = plugin.call_log().lines();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["event"], "end");
+    let stamp = |k: &str| lines[0][k].as_u64().expect("a stamp");
+    assert!(stamp("end_boottime_ns") >= stamp("start_boottime_ns"));
+    assert!(plugin.call_log().open_calls().is_empty());
+}
+
 #[test]
 fn the_call_log_names_secret_keys_but_never_secret_values() {
     const SECRET: &str = "s3cr3t-value-4711";

@@ -376,6 +376,12 @@ impl TestPluginBuilder {
         self.args(&["--no-controller"])
     }
 
+    /// `--log-starts`: a call-log line when each call starts, too
+    /// (`CallLog::starts`, `CallLog::open_calls`).
+    pub fn log_starts(self) -> Self {
+        self.args(&["--log-starts"])
+    }
+
     pub fn require_contexts(self) -> Self {
         self.args(&["--require-contexts"])
     }
@@ -728,14 +734,15 @@ pub fn read_log(path: &Path) -> String {
 
 // ---- Call log and fault file ---------------------------------------------
 
-/// Reads the plugin's call log (JSON lines).
+/// Reads the plugin's call log (JSON lines; the format is in the plugin's
+/// `call_log.rs` and `--help`).
 pub struct CallLog {
     pub path: PathBuf,
 }
 
 impl CallLog {
-    /// Every call so far, in order.
-    pub fn calls(&self) -> Vec<Value> {
+    /// Every line, start and end lines alike, in the order written.
+    pub fn lines(&self) -> Vec<Value> {
         let text = match fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
@@ -743,6 +750,39 @@ impl CallLog {
         };
         text.lines()
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("call log line {l:?}: {e}")))
+            .collect()
+    }
+
+    /// Every call that ended so far (its end line, with `code`), in the
+    /// order they ended.
+    pub fn calls(&self) -> Vec<Value> {
+        self.lines()
+            .into_iter()
+            .filter(|l| l["event"] != "start")
+            .collect()
+    }
+
+    /// The start lines (`--log-starts`), in the order the calls started.
+    pub fn starts(&self) -> Vec<Value> {
+        self.lines()
+            .into_iter()
+            .filter(|l| l["event"] == "start")
+            .collect()
+    }
+
+    /// The calls that started and have not ended (yet): their start lines.
+    pub fn open_calls(&self) -> Vec<Value> {
+        let lines = self.lines();
+        let ended: std::collections::HashSet<&str> = lines
+            .iter()
+            .filter(|l| l["event"] != "start")
+            .filter_map(|l| l["call_id"].as_str())
+            .collect();
+        lines
+            .iter()
+            .filter(|l| l["event"] == "start")
+            .filter(|l| !l["call_id"].as_str().is_some_and(|id| ended.contains(id)))
+            .cloned()
             .collect()
     }
 

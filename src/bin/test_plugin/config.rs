@@ -54,7 +54,11 @@ OPTIONS:
     --unknown-capability        also advertise capability type 99 (which no CSI
                                 version defines) in each capability list, to test
                                 that agents ignore it
-    --call-log PATH             append one JSON line per call (never secret values)
+    --call-log PATH             append one JSON line per call when it ends (never
+                                secret values); fields: see CALL LOG below
+    --log-starts                also append a line when each call starts, before its
+                                fault rule and its work (\"event\": \"start\"), so a call
+                                that never answers shows as started and not ended
     --faults PATH               fault file, re-read on every call (missing = none)
     --max-volumes-per-node N    reported by NodeGetInfo and enforced by
                                 ControllerPublishVolume (RESOURCE_EXHAUSTED) [default: 0,
@@ -113,6 +117,21 @@ FAULT FILE (JSON):
     count      applies to this many more calls; decremented in the file, which is
                rewritten atomically; the rule is dropped at 0 (absent = forever)
     The first matching rule applies.
+
+CALL LOG (JSON lines, one write(2) each, O_APPEND):
+    event             \"end\" (written before the reply is sent; always) or \"start\"
+                      (with --log-starts)
+    call_id           \"<pid>-<n>\": the same on a call's start and end lines
+    pid               the plugin process
+    start_boottime_ns CLOCK_BOOTTIME (ns) when the call reached the plugin: one
+                      clock for every process of the machine
+    end_boottime_ns   CLOCK_BOOTTIME (ns) when it ended (end lines only)
+    ts_ms             wall clock (ms since the epoch) when the line was written
+    method, code      the RPC; \"OK\", a gRPC code name or \"EXIT\" (end lines only)
+    late              true when a late fault held the call past its deadline
+    volume_id, node_id, staging_target_path, target_path, readonly, access_mode,
+    publish_context, volume_context, secret_keys (names only), mount_group,
+    required_bytes, snapshot, topology: what the request had
 ";
 
 #[derive(Clone, Debug)]
@@ -124,6 +143,8 @@ pub struct Config {
     pub stage: bool,
     pub controller: bool,
     pub call_log: Option<PathBuf>,
+    /// `--log-starts`: a call-log line when each call starts too.
+    pub log_starts: bool,
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
@@ -171,6 +192,7 @@ impl Config {
             stage: true,
             controller: true,
             call_log: None,
+            log_starts: false,
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
@@ -245,6 +267,7 @@ impl Config {
                 | "--require-contexts"
                 | "--create-target-parent"
                 | "--volume-stats"
+                | "--log-starts"
                 | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
@@ -258,6 +281,7 @@ impl Config {
                         "--snapshots" => config.snapshots = true,
                         "--expansion" => config.expansion = true,
                         "--mount-group" => config.mount_group = true,
+                        "--log-starts" => config.log_starts = true,
                         _ => config.require_contexts = true,
                     }
                 }
