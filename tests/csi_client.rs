@@ -2122,6 +2122,12 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
         "--require-contexts",
         "--known-nodes",
         "--unknown-capability",
+        "--storage",
+        "--fence-on-unpublish",
+        "--log-starts",
+        "start_boottime_ns",
+        "end_boottime_ns",
+        "call_id",
         "late",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");

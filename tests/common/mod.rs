@@ -357,9 +357,28 @@ pub fn mounts_under(dir: &Path) -> Vec<MountEntry> {
 pub struct TestPluginBuilder {
     dir: PathBuf,
     args: Vec<String>,
+    /// `--storage`: the storage system shared with other plugins; none:
+    /// `<dir>/root`.
+    storage: Option<PathBuf>,
 }
 
 impl TestPluginBuilder {
+    /// Shares the storage system at `storage` (volumes, controller.json,
+    /// fencing state) with the other plugins given the same one, as
+    /// plugins on several nodes of one storage system do; node-local state
+    /// stays in this plugin's own root.
+    pub fn storage(mut self, storage: &Path) -> Self {
+        self.storage = Some(storage.to_path_buf());
+        self
+    }
+
+    /// `--fence-on-unpublish`: ControllerUnpublishVolume cuts the node
+    /// off (unmounts its paths, refuses its NodeStage and NodePublish
+    /// until the next ControllerPublishVolume).
+    pub fn fence_on_unpublish(self) -> Self {
+        self.args(&["--fence-on-unpublish"])
+    }
+
     pub fn node_id(self, id: &str) -> Self {
         self.args(&["--node-id", id])
     }
@@ -410,10 +429,17 @@ impl TestPluginBuilder {
     /// Volumes that exist in the plugin's storage before it starts (more
     /// with `TestPlugin::add_volume`): the plugin refuses unknown volume IDs.
     pub fn volumes(self, ids: &[&str]) -> Self {
+        let storage = self.storage_dir();
         for id in ids {
-            add_volume_dir(&self.dir.join("root"), id);
+            add_volume_dir(&storage, id);
         }
         self
+    }
+
+    fn storage_dir(&self) -> PathBuf {
+        self.storage
+            .clone()
+            .unwrap_or_else(|| self.dir.join("root"))
     }
 
     pub fn args(mut self, args: &[&str]) -> Self {
@@ -424,14 +450,20 @@ impl TestPluginBuilder {
     /// Starts the plugin and waits until its socket accepts connections.
     pub fn start(self) -> TestPlugin {
         fs::create_dir_all(&self.dir).expect("create the plugin directory");
+        let mut args = self.args.clone();
+        if let Some(storage) = &self.storage {
+            let storage = storage.to_str().expect("test paths are UTF-8");
+            args.extend(["--storage".to_string(), storage.to_string()]);
+        }
         let mut plugin = TestPlugin {
             socket: self.dir.join("csi.sock"),
+            storage: self.storage_dir(),
             root: self.dir.join("root"),
             call_log: self.dir.join("calls.jsonl"),
             faults: self.dir.join("faults.json"),
             stderr: self.dir.join("stderr.log"),
             dir: self.dir,
-            args: self.args,
+            args,
             process: ChildProcess::new("the test plugin"),
         };
         plugin.spawn();
@@ -442,27 +474,30 @@ impl TestPluginBuilder {
 /// The known-nodes file under a plugin's directory.
 const KNOWN_NODES_FILE: &str = "known-nodes";
 
-/// Creates volume `id` in the storage of the plugin whose root is `root`
-/// (`<root>/volumes/<id>`, as CreateVolume would).
-fn add_volume_dir(root: &Path, id: &str) {
+/// Creates volume `id` in the storage system at `storage`
+/// (`<storage>/volumes/<id>`, as CreateVolume would).
+pub fn add_volume_dir(storage: &Path, id: &str) {
     assert!(
         !id.is_empty() && !id.contains('/') && id != "." && id != "..",
         "{id:?} is not a volume ID the test plugin accepts"
     );
-    let dir = root.join("volumes").join(id);
+    let dir = storage.join("volumes").join(id);
     fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create volume {}: {e}", dir.display()));
 }
 
 /// A running `claimd-test-plugin`; killed on drop.
 ///
-/// Layout under its directory: `csi.sock`, `root/` (volumes and
-/// `controller.json`), `calls.jsonl`, `faults.json`, `stderr.log`.
+/// Layout under its directory: `csi.sock`, `root/` (node-local state, and
+/// volumes and `controller.json` unless it shares a storage system),
+/// `calls.jsonl`, `faults.json`, `stderr.log`.
 pub struct TestPlugin {
     dir: PathBuf,
     args: Vec<String>,
     process: ChildProcess,
     pub socket: PathBuf,
     pub root: PathBuf,
+    /// The storage system: `root`, or the one shared with `storage(..)`.
+    pub storage: PathBuf,
     pub call_log: PathBuf,
     pub faults: PathBuf,
     pub stderr: PathBuf,
@@ -474,6 +509,7 @@ impl TestPlugin {
         TestPluginBuilder {
             dir: dir.join("plugin"),
             args: Vec::new(),
+            storage: None,
         }
     }
 
@@ -568,15 +604,15 @@ impl TestPlugin {
         }
     }
 
-    /// `<root>/volumes/<id>`.
+    /// `<storage>/volumes/<id>`.
     pub fn volume_dir(&self, id: &str) -> PathBuf {
-        self.root.join("volumes").join(id)
+        self.storage.join("volumes").join(id)
     }
 
     /// Creates a volume in the plugin's storage (the plugin refuses volume
     /// IDs it does not know).
     pub fn add_volume(&self, id: &str) {
-        add_volume_dir(&self.root, id);
+        add_volume_dir(&self.storage, id);
     }
 
     /// Adds a node ID that ControllerPublish accepts; the plugin must have
@@ -594,7 +630,7 @@ impl TestPlugin {
 
     /// The plugin's `controller.json`, if written.
     pub fn controller_state(&self) -> Option<Value> {
-        let text = fs::read_to_string(self.root.join("controller.json")).ok()?;
+        let text = fs::read_to_string(self.storage.join("controller.json")).ok()?;
         Some(serde_json::from_str(&text).expect("controller.json is JSON"))
     }
 

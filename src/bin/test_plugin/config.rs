@@ -8,13 +8,15 @@ use std::path::PathBuf;
 pub const USAGE: &str = "\
 claimd-test-plugin: a CSI plugin (Identity, Node, Controller) for claimd's tests.
 
-Serves CSI v1 on a unix socket. Volumes are directories <root>/volumes/<volume_id>
-(block volumes: regular files <root>/volumes/<volume_id>.img); node operations are
-real bind mounts. Controller attachments and created volumes are kept in
-<root>/controller.json, staging paths in <root>/node.json, so they survive a restart.
+Serves CSI v1 on a unix socket. The storage system (--storage, default --root) holds
+the volumes, directories <storage>/volumes/<volume_id> (block volumes: regular files
+<storage>/volumes/<volume_id>.img), and <storage>/controller.json (controller
+attachments, created volumes, snapshots); node operations are real bind mounts, and
+this node's staging paths are kept in <root>/node.json, so all survive a restart.
+Plugins of several nodes share one --storage, each with its own --root.
 
 STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):
-    A volume exists when CreateVolume made it or when <root>/volumes/<id> (or
+    A volume exists when CreateVolume made it or when <storage>/volumes/<id> (or
     <id>.img) exists: a test \"creates\" a volume in the storage system with mkdir.
     Calls naming any other volume answer NOT_FOUND (DeleteVolume and
     ControllerUnpublish answer OK: such a volume is deleted and not attached).
@@ -40,7 +42,11 @@ USAGE:
 OPTIONS:
     --endpoint PATH             unix socket to serve (required); a stale socket
                                 file there is removed at start
-    --root DIR                  the plugin's state and volumes (required; created)
+    --root DIR                  the plugin's node-local state (required; created), and
+                                the storage system too unless --storage is given
+    --storage DIR               the storage system shared by every node's plugin:
+                                volumes, snapshots, controller.json, fencing state
+                                [default: --root]
     --node-id ID                node ID reported by NodeGetInfo [default: test-node]
     --known-nodes FILE          other node IDs ControllerPublishVolume accepts, one a
                                 line (blank lines and lines starting with # are
@@ -65,7 +71,7 @@ OPTIONS:
                                 no limit]
     --volume-stats              advertise GET_VOLUME_STATS and VOLUME_CONDITION:
                                 NodeGetVolumeStats answers statvfs of the volume
-                                path; a file <root>/abnormal/<volume_id> makes the
+                                path; a file <storage>/abnormal/<volume_id> makes the
                                 volume abnormal, its content the message (without
                                 the flag: UNIMPLEMENTED)
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
@@ -98,6 +104,16 @@ OPTIONS:
                                 volume directory that group (setgid, group rwx);
                                 without the flag a volume_mount_group is refused
                                 (INVALID_ARGUMENT)
+    --fence-on-unpublish        fencing, for every plugin sharing a --storage: as a
+                                node, record under <storage>/fencing/ each staging and
+                                target path set up, and refuse NodeStage and NodePublish
+                                of a volume fenced from this node (FAILED_PRECONDITION);
+                                as a controller, ControllerUnpublishVolume(volume, node)
+                                writes a durable fence marker, then unmounts every
+                                target and staging path that node recorded for the
+                                volume (umount2; a busy mount with MNT_DETACH) before it
+                                answers OK; ControllerPublishVolume of the volume to the
+                                node lifts the fence
     -h, --help                  print this help
 
 FAULT FILE (JSON):
@@ -145,6 +161,11 @@ pub struct Config {
     pub call_log: Option<PathBuf>,
     /// `--log-starts`: a call-log line when each call starts too.
     pub log_starts: bool,
+    /// `--storage`: the storage system shared by every node's plugin
+    /// (`root` when not given).
+    pub storage: PathBuf,
+    /// `--fence-on-unpublish`: see `fencing.rs`.
+    pub fence_on_unpublish: bool,
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
@@ -184,6 +205,7 @@ impl Config {
     pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageError> {
         let mut endpoint = None;
         let mut root = None;
+        let mut storage = None;
         let mut config = Config {
             endpoint: PathBuf::new(),
             root: PathBuf::new(),
@@ -193,6 +215,8 @@ impl Config {
             controller: true,
             call_log: None,
             log_starts: false,
+            storage: PathBuf::new(),
+            fence_on_unpublish: false,
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
@@ -228,6 +252,7 @@ impl Config {
                 "-h" | "--help" => return Ok(Parsed::Help),
                 "--endpoint" => endpoint = Some(PathBuf::from(value("PATH")?)),
                 "--root" => root = Some(PathBuf::from(value("DIR")?)),
+                "--storage" => storage = Some(PathBuf::from(value("DIR")?)),
                 "--node-id" => config.node_id = value("ID")?,
                 "--name" => config.name = value("NAME")?,
                 "--call-log" => config.call_log = Some(PathBuf::from(value("PATH")?)),
@@ -268,6 +293,7 @@ impl Config {
                 | "--create-target-parent"
                 | "--volume-stats"
                 | "--log-starts"
+                | "--fence-on-unpublish"
                 | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
@@ -282,6 +308,7 @@ impl Config {
                         "--expansion" => config.expansion = true,
                         "--mount-group" => config.mount_group = true,
                         "--log-starts" => config.log_starts = true,
+                        "--fence-on-unpublish" => config.fence_on_unpublish = true,
                         _ => config.require_contexts = true,
                     }
                 }
@@ -290,14 +317,20 @@ impl Config {
         }
         config.endpoint = endpoint.ok_or_else(|| usage_error("--endpoint is required"))?;
         config.root = root.ok_or_else(|| usage_error("--root is required"))?;
+        config.storage = storage.unwrap_or_else(|| config.root.clone());
         if config.node_id.is_empty() {
             return Err(usage_error("--node-id must not be empty"));
         }
         if config.name.is_empty() {
             return Err(usage_error("--name must not be empty"));
         }
-        if config.endpoint.as_os_str().is_empty() || config.root.as_os_str().is_empty() {
-            return Err(usage_error("--endpoint and --root must not be empty"));
+        if config.endpoint.as_os_str().is_empty()
+            || config.root.as_os_str().is_empty()
+            || config.storage.as_os_str().is_empty()
+        {
+            return Err(usage_error(
+                "--endpoint, --root and --storage must not be empty",
+            ));
         }
         Ok(Parsed::Run(Box::new(config)))
     }

@@ -13,6 +13,7 @@ use crate::call_log::CallLog;
 use crate::config::Config;
 use crate::controller_store::ControllerStore;
 use crate::faults::Faults;
+use crate::fencing::Fencing;
 use crate::path_locks::{PathLocks, VolumeLocks};
 use crate::stagings::Stagings;
 
@@ -95,6 +96,9 @@ pub struct Plugin {
     pub controller_state: ControllerStore,
     pub faults: Option<Faults>,
     pub call_log: Option<CallLog>,
+    /// With `--fence-on-unpublish`: the fencing state in the shared
+    /// storage.
+    pub fencing: Option<Fencing>,
 }
 
 impl Plugin {
@@ -102,7 +106,10 @@ impl Plugin {
         Plugin {
             faults: config.faults.clone().map(Faults::new),
             call_log: config.call_log.clone().map(CallLog::new),
-            controller_state: ControllerStore::new(config.root.join("controller.json")),
+            controller_state: ControllerStore::new(config.storage.join("controller.json")),
+            fencing: config
+                .fence_on_unpublish
+                .then(|| Fencing::new(&config.storage)),
             stagings: Stagings::new(config.root.join("node.json")),
             config,
             path_locks: PathLocks::default(),

@@ -144,7 +144,7 @@ impl Plugin {
     }
 
     fn snapshots_dir(&self) -> PathBuf {
-        self.config.root.join("snapshots")
+        self.config.storage.join("snapshots")
     }
 
     fn snapshots_supported(&self, method: &str) -> Outcome<()> {
