@@ -305,3 +305,60 @@ fn a_busy_mount_is_detached_by_the_fence() {
         .join("held-open")
         .exists());
 }
+
+/// A NodePublish that reached B's plugin before the fence but does its
+/// work after it (held by a `delay` fault) is refused, and mounts nothing:
+/// a late call cannot undo a fence.
+#[test]
+fn a_node_publish_held_across_the_fence_is_refused() {
+    let dir = TestDir::new();
+    let storage = dir.mkdir("storage");
+    add_volume_dir(&storage, VOLUME);
+    let a = Node::start(&dir, "a", &storage, &["node-b"]);
+    let b = Node::start(&dir, "b", &storage, &[]);
+    let ctx: HashMap<String, String> = a
+        .plugin
+        .client()
+        .controller_publish_volume(&controller_publish(&b.id))
+        .expect("ControllerPublish")
+        .into_iter()
+        .collect();
+    b.stage(&ctx).expect("NodeStage");
+    b.plugin.faults().set(serde_json::json!([
+        {"method": "NodePublishVolume", "action": "delay", "ms": 5000, "count": 1}
+    ]));
+    let publish = std::thread::scope(|s| {
+        let late = s.spawn(|| b.publish(&ctx));
+        wait_until(
+            std::time::Duration::from_secs(10),
+            "B's NodePublish to start",
+            || {
+                b.plugin
+                    .call_log()
+                    .open_calls()
+                    .iter()
+                    .any(|c| c["method"] == "NodePublishVolume")
+            },
+        );
+        a.plugin
+            .client()
+            .controller_unpublish_volume(&controller_unpublish(&b.id))
+            .expect("ControllerUnpublish");
+        late.join().expect("the publishing thread")
+    });
+    // The fence ended before the held call did its work.
+    let fenced_at = a.plugin.call_log().calls_of("ControllerUnpublishVolume")[0]["end_boottime_ns"]
+        .as_u64()
+        .expect("end_boottime_ns");
+    let published = b.plugin.call_log().calls_of("NodePublishVolume");
+    let ended_at = published[0]["end_boottime_ns"]
+        .as_u64()
+        .expect("end_boottime_ns");
+    assert!(
+        fenced_at < ended_at,
+        "the fence ({fenced_at}) came after the held call ended ({ended_at})"
+    );
+    let msg = refused(publish, "a NodePublish held across the fence");
+    assert!(msg.contains("fenced"), "{msg}");
+    assert_eq!(b.mounted(), (false, false));
+}

@@ -290,10 +290,14 @@ impl Fencing {
         // sees the marker when it checks again after its mount.
         let paths = self.node_paths(volume_id, node_id)?;
         for path in paths.targets.iter().chain(&paths.staging) {
-            match unmount_all(path)? {
-                Unmounted::Nothing => {}
-                Unmounted::Plain => fence.unmounted.push(path.clone()),
-                Unmounted::Detached => fence.detached.push(path.clone()),
+            // A repeated fence (the CO's retry) lists each path once.
+            let list = match unmount_all(path)? {
+                Unmounted::Nothing => continue,
+                Unmounted::Plain => &mut fence.unmounted,
+                Unmounted::Detached => &mut fence.detached,
+            };
+            if !list.contains(path) {
+                list.push(path.clone());
             }
         }
         fence.done = true;
