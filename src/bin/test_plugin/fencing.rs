@@ -16,7 +16,8 @@
 //! - `fenced`: the fence marker (JSON: `volume_id`, `node_id`,
 //!   `fenced_boottime_ns` (CLOCK_BOOTTIME), and once the paths are done
 //!   `unmounted` and `detached`, the paths unmounted plainly and those only
-//!   lazily). Written durably (fsync'd) before any unmount.
+//!   lazily). Written durably (file and directory fsync'd) before any
+//!   unmount.
 //!
 //! ControllerUnpublishVolume(volume, node) writes the marker, then
 //! unmounts every target, then every staging path recorded for that node
@@ -285,6 +286,9 @@ impl Fencing {
         }
         write_atomic(&marker, &encode(&fence)?)
             .map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
+        if let Some(dir) = marker.parent() {
+            sync_dir(dir)?;
+        }
         // Read after the marker is in place: a node call that recorded its
         // path before this read is seen here; one that records it later
         // sees the marker when it checks again after its mount.
@@ -322,13 +326,18 @@ impl Fencing {
         }
         // The removal durable before the publish is answered.
         if let Some(dir) = marker.parent() {
-            fs::File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
+            sync_dir(dir)?;
         }
         log::info!("lifted the fence of volume {volume_id} from node {node_id}");
         Ok(true)
     }
+}
+
+/// fsync of a directory: a rename or removal in it is durable.
+fn sync_dir(dir: &Path) -> Result<(), String> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| format!("cannot sync {}: {e}", dir.display()))
 }
 
 /// Undoes `component`.
