@@ -106,7 +106,11 @@ impl Plugin {
         Plugin {
             faults: config.faults.clone().map(Faults::new),
             call_log: config.call_log.clone().map(CallLog::new),
-            controller_state: ControllerStore::new(config.storage.join("controller.json")),
+            controller_state: if config.storage == config.root {
+                ControllerStore::new(config.storage.join("controller.json"))
+            } else {
+                ControllerStore::shared(config.storage.join("controller.json"))
+            },
             fencing: config
                 .fence_on_unpublish
                 .then(|| Fencing::new(&config.storage)),
