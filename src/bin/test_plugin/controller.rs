@@ -3,10 +3,10 @@
 //! atomically, re-read on every call when no write is in flight, so a
 //! restarted plugin remembers them and a test can make it "lose" them by
 //! deleting the file). Concurrent calls share fsyncs: see
-//! `controller_store.rs`. One plugin process writes it: the node plugins
-//! sharing the storage only read it (NodeExpandVolume aside, which records
-//! the node's capacity). With `--fence-on-unpublish`,
-//! ControllerUnpublishVolume fences the node (`fencing.rs`).
+//! `controller_store.rs` (which also keeps the changes of several plugin
+//! processes sharing one storage from overwriting each other). With
+//! `--fence-on-unpublish`, ControllerUnpublishVolume fences the node
+//! (`fencing.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
