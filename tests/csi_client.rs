@@ -231,15 +231,34 @@ fn node_get_info_reports_node_id_limit_and_topology() {
         .max_volumes_per_node(3)
         .start();
     let info = plugin.client().node_get_info().expect("NodeGetInfo");
+    // No VOLUME_ACCESSIBILITY_CONSTRAINTS without --topology, so no
+    // topology either ("a plugin that returns this field MUST also set"
+    // that capability).
     assert_eq!(
         info,
         NodeInfo {
             node_id: "node-7".to_string(),
             max_volumes_per_node: 3,
-            topology: BTreeMap::from([("claimd.test/node".to_string(), "node-7".to_string())]),
+            topology: BTreeMap::new(),
         }
     );
     assert_eq!(plugin.call_log().methods(), vec!["NodeGetInfo"]);
+
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .node_id("node-8")
+        .args(&["--topology", "zone=z1,rack=r2"])
+        .start();
+    let c = plugin.client();
+    let caps = c.get_plugin_capabilities().expect("GetPluginCapabilities");
+    assert!(caps.accessibility_constraints);
+    assert_eq!(
+        c.node_get_info().expect("NodeGetInfo").topology,
+        BTreeMap::from([
+            ("rack".to_string(), "r2".to_string()),
+            ("zone".to_string(), "z1".to_string()),
+        ])
+    );
 }
 
 // ---- Node: stage, publish, unpublish, unstage ----------------------------
@@ -562,6 +581,88 @@ fn invalid_arguments_are_final() {
         .calls()
         .iter()
         .all(|c| c["code"] == "INVALID_ARGUMENT"));
+}
+
+/// A volume_path that is not absolute names no mounted volume: the spec's
+/// NOT_FOUND ("volume does not exist on specified volume_path"), as
+/// csi-sanity expects, in NodeGetVolumeStats and NodeExpandVolume alike; a
+/// missing one is INVALID_ARGUMENT. The same for an absolute path where the
+/// volume is not mounted.
+#[test]
+fn a_volume_path_that_is_relative_or_not_the_volume_is_not_found() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .volumes(&["v", "w"])
+        .args(&["--volume-stats", "--expansion"])
+        .start();
+    let c = plugin.client();
+    let none = BTreeMap::new();
+    let staging = dir.mkdir("staging");
+    let target = dir.mkdir("alloc").join("t");
+    c.node_stage_volume(&stage("v", &staging, &none))
+        .expect("NodeStage");
+    c.node_publish_volume(&publish("v", Some(&staging), &target, false, &none))
+        .expect("NodePublish");
+    let stats = |volume: &str, path: &str| NodeGetVolumeStatsRequest {
+        volume_id: volume.to_string(),
+        volume_path: path.to_string(),
+        ..Default::default()
+    };
+    let expand = |volume: &str, path: &str, staging: &str| NodeExpandVolumeRequest {
+        volume_id: volume.to_string(),
+        volume_path: path.to_string(),
+        staging_target_path: staging.to_string(),
+        ..Default::default()
+    };
+    let target_s = path_str(&target);
+    c.node_get_volume_stats(&stats("v", &target_s))
+        .expect("stats where v is published");
+    c.node_expand_volume(&expand("v", &target_s, &path_str(&staging)))
+        .expect("expand where v is published and staged");
+
+    let not_mounted = path_str(&dir.mkdir("empty"));
+    for bad in [
+        "relative/path",
+        "alloc/t",
+        ".",
+        "/tmp/../etc",
+        not_mounted.as_str(),
+    ] {
+        let e = expect_status(
+            c.node_get_volume_stats(&stats("v", bad)),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+        assert!(e.to_string().contains(bad), "{e}");
+        expect_status(
+            c.node_expand_volume(&expand("v", bad, "")),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+        expect_status(
+            c.node_expand_volume(&expand("v", &target_s, bad)),
+            RpcStatusCode::NOT_FOUND,
+            ErrorClass::Final,
+        );
+    }
+    // Another volume than the one mounted there.
+    expect_status(
+        c.node_get_volume_stats(&stats("w", &target_s)),
+        RpcStatusCode::NOT_FOUND,
+        ErrorClass::Final,
+    );
+    expect_status(
+        c.node_get_volume_stats(&stats("v", "")),
+        RpcStatusCode::INVALID_ARGUMENT,
+        ErrorClass::Final,
+    );
+    expect_status(
+        c.node_expand_volume(&expand("v", "", "")),
+        RpcStatusCode::INVALID_ARGUMENT,
+        ErrorClass::Final,
+    );
+    assert!(is_mount_point(&target), "nothing was undone");
 }
 
 // ---- Controller ----------------------------------------------------------
@@ -1732,6 +1833,36 @@ fn a_hung_call_hits_the_deadline_and_other_calls_still_answer() {
     assert_eq!(plugin.call_log().methods(), vec!["Probe", "NodeGetInfo"]);
 }
 
+/// `freeze` returns once every thread of the plugin is stopped, so a call
+/// made right after it cannot be answered; `thaw` once none is.
+#[test]
+fn a_frozen_plugin_has_every_thread_stopped_and_answers_once_thawed() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    assert_eq!(plugin.client().probe().expect("Probe"), Readiness::Ready);
+    let pid = plugin.pid().expect("running");
+    plugin.freeze();
+    let states = thread_states(pid).expect("the plugin's threads");
+    assert!(
+        states.len() > 1 && states.iter().all(|(_, s)| *s == 'T'),
+        "{states:?}"
+    );
+    expect_status(
+        plugin
+            .client_with_timeout(Duration::from_millis(300))
+            .probe(),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    plugin.thaw();
+    let states = thread_states(pid).expect("the plugin's threads");
+    assert!(states.iter().all(|(_, s)| *s != 'T'), "{states:?}");
+    assert_eq!(
+        plugin.client().probe().expect("Probe after the thaw"),
+        Readiness::Ready
+    );
+}
+
 #[test]
 fn a_delayed_call_blocks_neither_other_calls_nor_other_mounts() {
     let dir = TestDir::new();
@@ -1991,6 +2122,12 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
         "--require-contexts",
         "--known-nodes",
         "--unknown-capability",
+        "--storage",
+        "--fence-on-unpublish",
+        "--log-starts",
+        "start_boottime_ns",
+        "end_boottime_ns",
+        "call_id",
         "late",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
@@ -1998,6 +2135,89 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
 }
 
 // ---- The call log --------------------------------------------------------
+
+/// With --log-starts every call has a start line and (once it answers) an
+/// end line with the same call_id and CLOCK_BOOTTIME stamps within the
+/// test's own readings of that clock; a hung call stays started and not
+/// ended. Without the flag only end lines, with the same stamps.
+#[test]
+fn the_call_log_has_start_and_end_lines_on_one_machine_wide_clock() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .no_controller()
+        .log_starts()
+        .start();
+    let c = plugin.client();
+    let before = boottime_ns();
+    assert_eq!(c.probe().expect("Probe"), Readiness::Ready);
+    plugin.faults().set(json!([
+        {"method": "NodeGetInfo", "action": "hang", "count": 1}
+    ]));
+    expect_status(
+        plugin
+            .client_with_timeout(Duration::from_millis(500))
+            .node_get_info(),
+        RpcStatusCode::DEADLINE_EXCEEDED,
+        ErrorClass::Retryable,
+    );
+    c.node_get_capabilities().expect("NodeGetCapabilities");
+    let after = boottime_ns();
+
+    let log = plugin.call_log();
+    let pid = u64::from(plugin.pid().expect("running"));
+    let starts = log.starts();
+    let methods: Vec<&str> = starts
+        .iter()
+        .map(|l| l["method"].as_str().expect("method"))
+        .collect();
+    assert_eq!(methods, ["Probe", "NodeGetInfo", "NodeGetCapabilities"]);
+    // The hung NodeGetInfo: started, never ended.
+    let open = log.open_calls();
+    assert_eq!(open.len(), 1, "{open:?}");
+    assert_eq!(open[0]["method"], "NodeGetInfo");
+    assert_eq!(open[0]["call_id"], starts[1]["call_id"]);
+    assert_eq!(log.methods(), ["Probe", "NodeGetCapabilities"]);
+
+    let ends = log.calls();
+    for (start, end) in [(&starts[0], &ends[0]), (&starts[2], &ends[1])] {
+        assert_eq!(start["event"], "start");
+        assert_eq!(end["event"], "end");
+        assert_eq!(start["call_id"], end["call_id"]);
+        assert_eq!(start["pid"], pid);
+        assert_eq!(end["pid"], pid);
+        assert_eq!(start["code"], serde_json::Value::Null, "{start}");
+        assert_eq!(end["code"], "OK");
+        let s = start["start_boottime_ns"]
+            .as_u64()
+            .expect("start_boottime_ns");
+        assert_eq!(end["start_boottime_ns"].as_u64(), Some(s));
+        let e = end["end_boottime_ns"].as_u64().expect("end_boottime_ns");
+        assert!(
+            before <= s && s <= e && e <= after,
+            "{before} {s} {e} {after}"
+        );
+        assert_eq!(start["end_boottime_ns"], serde_json::Value::Null);
+    }
+    let started = |l: &serde_json::Value| l["start_boottime_ns"].as_u64().expect("a stamp");
+    assert!(started(&starts[0]) < started(&starts[1]));
+    assert!(started(&starts[1]) < started(&starts[2]));
+    let ids: std::collections::HashSet<&str> = starts
+        .iter()
+        .map(|l| l["call_id"].as_str().expect("call_id"))
+        .collect();
+    assert_eq!(ids.len(), 3, "call IDs are unique: {ids:?}");
+
+    // Without --log-starts: end lines only, stamped the same way.
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path()).no_controller().start();
+    plugin.client().probe().expect("Probe");
+    let lines = plugin.call_log().lines();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["event"], "end");
+    let stamp = |k: &str| lines[0][k].as_u64().expect("a stamp");
+    assert!(stamp("end_boottime_ns") >= stamp("start_boottime_ns"));
+    assert!(plugin.call_log().open_calls().is_empty());
+}
 
 #[test]
 fn the_call_log_names_secret_keys_but_never_secret_values() {

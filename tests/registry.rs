@@ -345,7 +345,9 @@ fn waiter_returns_once_a_late_plugin_starts() {
         Some(NodeInfo {
             node_id: "node-1".to_string(),
             max_volumes_per_node: 0,
-            topology: BTreeMap::from([("claimd.test/node".to_string(), "node-1".to_string())]),
+            // No topology: the plugin does not advertise
+            // VOLUME_ACCESSIBILITY_CONSTRAINTS.
+            topology: BTreeMap::new(),
         })
     );
     // The plugin also advertised capability type 99 in each list: ignored.

@@ -44,6 +44,17 @@ cargo clippy --locked --all-targets --features tls,failpoints -- -D warnings
 # agent at named failpoints, which only a `failpoints` build has.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --locked --features tls,failpoints 2>&1 | tee "$log"
+# --no-fail-fast: a failing test binary does not keep the others from
+# running. cargo's status is taken through the pipe (pipefail) without
+# stopping the script (set -e), so that the closing line is printed first.
+status=0
+cargo test --locked --no-fail-fast --features tls,failpoints 2>&1 | tee "$log" || status=$?
 # One closing line for the whole suite (cargo prints one per test binary).
-awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"
+awk '/^test result:/ {p += $4; f += $6; n += 1}
+     END {printf "tests: %d passed, %d failed (%d test targets)\n", p, f, n}' "$log"
+if [ "$status" -ne 0 ]; then
+  # A binary that crashed or did not build has no `test result:` line:
+  # cargo's own list of failed targets (above) names it.
+  echo "tests/run.sh: cargo test failed (exit status $status)" >&2
+  exit "$status"
+fi

@@ -5,8 +5,15 @@
 //! caller's deadline or answer nonsense. As strict as real plugins: unknown
 //! volume or node IDs, second staging paths, second attachments of
 //! single-node volumes, conflicting names and missing fields are refused
-//! with the spec's codes (`inventory.rs`, `stagings.rs`). See `--help`
-//! (and `config.rs`) for the flags and the fault file format.
+//! with the spec's codes (`inventory.rs`, `stagings.rs`). Plugins of
+//! several nodes can share one storage system (`--storage`), and with
+//! `--fence-on-unpublish` a ControllerUnpublishVolume really cuts the node
+//! off: it unmounts the node's staging and target paths and refuses its
+//! NodeStage and NodePublish until the next ControllerPublishVolume
+//! (`fencing.rs`). The call log records each call's start (with
+//! `--log-starts`) and end with CLOCK_BOOTTIME timestamps (`call_log.rs`).
+//! See `--help` (and `config.rs`) for the flags, the call log fields and
+//! the fault file format.
 
 #[path = "test_plugin/call_log.rs"]
 mod call_log;
@@ -18,6 +25,8 @@ mod controller;
 mod controller_store;
 #[path = "test_plugin/faults.rs"]
 mod faults;
+#[path = "test_plugin/fencing.rs"]
+mod fencing;
 #[path = "test_plugin/files.rs"]
 mod files;
 #[path = "test_plugin/inventory.rs"]
@@ -89,7 +98,9 @@ fn init_logging() {
 
 /// Serves until SIGTERM or SIGINT; returns the signal's number.
 fn run(config: Config) -> Result<usize, String> {
-    let volumes = config.root.join("volumes");
+    fs::create_dir_all(&config.root)
+        .map_err(|e| format!("cannot create {}: {e}", config.root.display()))?;
+    let volumes = config.storage.join("volumes");
     fs::create_dir_all(&volumes)
         .map_err(|e| format!("cannot create {}: {e}", volumes.display()))?;
     remove_stale_socket(&config)?;
@@ -128,12 +139,14 @@ fn run(config: Config) -> Result<usize, String> {
         .map_err(|e| format!("cannot listen on {}: {e}", endpoint.display()))?;
     server.start();
     log::info!(
-        "{} serving on {} (node {}, stage={}, controller={})",
+        "{} serving on {} (node {}, stage={}, controller={}, storage {}, fencing={})",
         plugin.config.name,
         endpoint.display(),
         plugin.config.node_id,
         plugin.config.stage,
-        plugin.config.controller
+        plugin.config.controller,
+        plugin.config.storage.display(),
+        plugin.config.fence_on_unpublish
     );
 
     let mut byte = [0u8; 1];

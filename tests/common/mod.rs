@@ -42,6 +42,115 @@ pub fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool
     }
 }
 
+/// CLOCK_BOOTTIME in nanoseconds: the clock of the plugin's call log
+/// (`start_boottime_ns`, `end_boottime_ns`), the same in every process.
+pub fn boottime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer to a timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_BOOTTIME)");
+    let secs = u64::try_from(ts.tv_sec).expect("a time after boot");
+    let nanos = u64::try_from(ts.tv_nsec).expect("nanoseconds are positive");
+    secs * 1_000_000_000 + nanos
+}
+
+// ---- Freezing a process (SIGSTOP / SIGCONT) ---------------------------------
+
+/// How long a process may take to show every thread stopped after SIGSTOP
+/// (or none stopped after SIGCONT). A loaded machine delays the stop of a
+/// thread that is not on a CPU only a little; this bound is for a process
+/// that never stops at all.
+pub const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The scheduler state of every thread of `pid` (`tid`, the state letter
+/// of `/proc/PID/task/TID/stat`). Threads that exit while being read are
+/// left out; an error only when the process itself cannot be read.
+pub fn thread_states(pid: u32) -> io::Result<Vec<(u32, char)>> {
+    let mut states = Vec::new();
+    for entry in fs::read_dir(format!("/proc/{pid}/task"))? {
+        let entry = entry?;
+        let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let stat = match fs::read_to_string(entry.path().join("stat")) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        states.push((tid, stat_state(&stat).unwrap_or('?')));
+    }
+    Ok(states)
+}
+
+/// The state letter of a `stat` line: the first field after the command
+/// name, which is in parentheses and may itself contain spaces and
+/// parentheses (hence the last `)`).
+fn stat_state(stat: &str) -> Option<char> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.trim_start().chars().next()
+}
+
+fn signal_pid(pid: u32, sig: libc::c_int, what: &str) {
+    let p = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+    // SAFETY: kill(2) on a child the test started and has not reaped.
+    let rc = unsafe { libc::kill(p, sig) };
+    assert_eq!(
+        rc,
+        0,
+        "kill({pid}, {sig}) of {what}: {}",
+        io::Error::last_os_error()
+    );
+}
+
+/// Waits until `done` holds for the states of every thread of `pid`;
+/// panics naming `what`, `goal` and the threads that are not there yet.
+fn wait_threads(pid: u32, what: &str, goal: &str, done: impl Fn(char) -> bool) {
+    let start = Instant::now();
+    loop {
+        let states = thread_states(pid)
+            .unwrap_or_else(|e| panic!("cannot read the threads of {what} (pid {pid}): {e}"));
+        let late: Vec<String> = states
+            .iter()
+            .filter(|(_, s)| !done(*s))
+            .map(|(tid, s)| format!("{tid}:{s}"))
+            .collect();
+        if !states.is_empty() && late.is_empty() {
+            return;
+        }
+        if start.elapsed() >= FREEZE_TIMEOUT {
+            panic!(
+                "{what} (pid {pid}): {} of {} threads not {goal} after {FREEZE_TIMEOUT:?} \
+                 (tid:state {})",
+                late.len(),
+                states.len(),
+                late.join(" ")
+            );
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// SIGSTOP, and returns only once every thread of the process is stopped
+/// (state `T` in `/proc/PID/task/*/stat`; a zombie thread counts as
+/// stopped): from then on the process runs no code at all. The signal
+/// alone is not enough: it is delivered to each thread when the scheduler
+/// next runs it, and on a loaded machine a test could otherwise make its
+/// "frozen" calls while the process still answers.
+pub fn freeze(pid: u32, what: &str) {
+    signal_pid(pid, libc::SIGSTOP, what);
+    wait_threads(pid, what, "stopped", |s| matches!(s, 'T' | 'Z' | 'X'));
+}
+
+/// SIGCONT, and returns once no thread of the process is stopped any more
+/// (none in state `T`).
+pub fn thaw(pid: u32, what: &str) {
+    signal_pid(pid, libc::SIGCONT, what);
+    wait_threads(pid, what, "running again", |s| s != 'T');
+}
+
 /// One gRPC environment (completion-queue threads) for every client in
 /// the test process.
 pub fn grpc_env() -> Arc<grpcio::Environment> {
@@ -248,9 +357,28 @@ pub fn mounts_under(dir: &Path) -> Vec<MountEntry> {
 pub struct TestPluginBuilder {
     dir: PathBuf,
     args: Vec<String>,
+    /// `--storage`: the storage system shared with other plugins; none:
+    /// `<dir>/root`.
+    storage: Option<PathBuf>,
 }
 
 impl TestPluginBuilder {
+    /// Shares the storage system at `storage` (volumes, controller.json,
+    /// fencing state) with the other plugins given the same one, as
+    /// plugins on several nodes of one storage system do; node-local state
+    /// stays in this plugin's own root.
+    pub fn storage(mut self, storage: &Path) -> Self {
+        self.storage = Some(storage.to_path_buf());
+        self
+    }
+
+    /// `--fence-on-unpublish`: ControllerUnpublishVolume cuts the node
+    /// off (unmounts its paths, refuses its NodeStage and NodePublish
+    /// until the next ControllerPublishVolume).
+    pub fn fence_on_unpublish(self) -> Self {
+        self.args(&["--fence-on-unpublish"])
+    }
+
     pub fn node_id(self, id: &str) -> Self {
         self.args(&["--node-id", id])
     }
@@ -265,6 +393,12 @@ impl TestPluginBuilder {
 
     pub fn no_controller(self) -> Self {
         self.args(&["--no-controller"])
+    }
+
+    /// `--log-starts`: a call-log line when each call starts, too
+    /// (`CallLog::starts`, `CallLog::open_calls`).
+    pub fn log_starts(self) -> Self {
+        self.args(&["--log-starts"])
     }
 
     pub fn require_contexts(self) -> Self {
@@ -295,10 +429,17 @@ impl TestPluginBuilder {
     /// Volumes that exist in the plugin's storage before it starts (more
     /// with `TestPlugin::add_volume`): the plugin refuses unknown volume IDs.
     pub fn volumes(self, ids: &[&str]) -> Self {
+        let storage = self.storage_dir();
         for id in ids {
-            add_volume_dir(&self.dir.join("root"), id);
+            add_volume_dir(&storage, id);
         }
         self
+    }
+
+    fn storage_dir(&self) -> PathBuf {
+        self.storage
+            .clone()
+            .unwrap_or_else(|| self.dir.join("root"))
     }
 
     pub fn args(mut self, args: &[&str]) -> Self {
@@ -309,14 +450,20 @@ impl TestPluginBuilder {
     /// Starts the plugin and waits until its socket accepts connections.
     pub fn start(self) -> TestPlugin {
         fs::create_dir_all(&self.dir).expect("create the plugin directory");
+        let mut args = self.args.clone();
+        if let Some(storage) = &self.storage {
+            let storage = storage.to_str().expect("test paths are UTF-8");
+            args.extend(["--storage".to_string(), storage.to_string()]);
+        }
         let mut plugin = TestPlugin {
             socket: self.dir.join("csi.sock"),
+            storage: self.storage_dir(),
             root: self.dir.join("root"),
             call_log: self.dir.join("calls.jsonl"),
             faults: self.dir.join("faults.json"),
             stderr: self.dir.join("stderr.log"),
             dir: self.dir,
-            args: self.args,
+            args,
             process: ChildProcess::new("the test plugin"),
         };
         plugin.spawn();
@@ -327,27 +474,30 @@ impl TestPluginBuilder {
 /// The known-nodes file under a plugin's directory.
 const KNOWN_NODES_FILE: &str = "known-nodes";
 
-/// Creates volume `id` in the storage of the plugin whose root is `root`
-/// (`<root>/volumes/<id>`, as CreateVolume would).
-fn add_volume_dir(root: &Path, id: &str) {
+/// Creates volume `id` in the storage system at `storage`
+/// (`<storage>/volumes/<id>`, as CreateVolume would).
+pub fn add_volume_dir(storage: &Path, id: &str) {
     assert!(
         !id.is_empty() && !id.contains('/') && id != "." && id != "..",
         "{id:?} is not a volume ID the test plugin accepts"
     );
-    let dir = root.join("volumes").join(id);
+    let dir = storage.join("volumes").join(id);
     fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create volume {}: {e}", dir.display()));
 }
 
 /// A running `claimd-test-plugin`; killed on drop.
 ///
-/// Layout under its directory: `csi.sock`, `root/` (volumes and
-/// `controller.json`), `calls.jsonl`, `faults.json`, `stderr.log`.
+/// Layout under its directory: `csi.sock`, `root/` (node-local state, and
+/// volumes and `controller.json` unless it shares a storage system),
+/// `calls.jsonl`, `faults.json`, `stderr.log`.
 pub struct TestPlugin {
     dir: PathBuf,
     args: Vec<String>,
     process: ChildProcess,
     pub socket: PathBuf,
     pub root: PathBuf,
+    /// The storage system: `root`, or the one shared with `storage(..)`.
+    pub storage: PathBuf,
     pub call_log: PathBuf,
     pub faults: PathBuf,
     pub stderr: PathBuf,
@@ -359,6 +509,7 @@ impl TestPlugin {
         TestPluginBuilder {
             dir: dir.join("plugin"),
             args: Vec::new(),
+            storage: None,
         }
     }
 
@@ -399,6 +550,16 @@ impl TestPlugin {
     /// Waits for the plugin to exit on its own (an `exit` fault).
     pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
         self.process.wait_exit(deadline)
+    }
+
+    /// SIGSTOP; returns once every thread of the plugin is stopped.
+    pub fn freeze(&self) {
+        self.process.freeze();
+    }
+
+    /// SIGCONT; returns once no thread of the plugin is stopped.
+    pub fn thaw(&self) {
+        self.process.thaw();
     }
 
     /// SIGKILL, like a crash.
@@ -443,15 +604,15 @@ impl TestPlugin {
         }
     }
 
-    /// `<root>/volumes/<id>`.
+    /// `<storage>/volumes/<id>`.
     pub fn volume_dir(&self, id: &str) -> PathBuf {
-        self.root.join("volumes").join(id)
+        self.storage.join("volumes").join(id)
     }
 
     /// Creates a volume in the plugin's storage (the plugin refuses volume
     /// IDs it does not know).
     pub fn add_volume(&self, id: &str) {
-        add_volume_dir(&self.root, id);
+        add_volume_dir(&self.storage, id);
     }
 
     /// Adds a node ID that ControllerPublish accepts; the plugin must have
@@ -469,7 +630,7 @@ impl TestPlugin {
 
     /// The plugin's `controller.json`, if written.
     pub fn controller_state(&self) -> Option<Value> {
-        let text = fs::read_to_string(self.root.join("controller.json")).ok()?;
+        let text = fs::read_to_string(self.storage.join("controller.json")).ok()?;
         Some(serde_json::from_str(&text).expect("controller.json is JSON"))
     }
 
@@ -552,6 +713,22 @@ impl ChildProcess {
         status.expect("wait_until returned, so the process exited")
     }
 
+    /// SIGSTOP, returning once every thread is stopped (`freeze`).
+    pub fn freeze(&self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.what));
+        freeze(pid, &self.what);
+    }
+
+    /// SIGCONT, returning once no thread is stopped (`thaw`).
+    pub fn thaw(&self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.what));
+        thaw(pid, &self.what);
+    }
+
     /// SIGKILL, like a crash; reaps the process.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -593,14 +770,15 @@ pub fn read_log(path: &Path) -> String {
 
 // ---- Call log and fault file ---------------------------------------------
 
-/// Reads the plugin's call log (JSON lines).
+/// Reads the plugin's call log (JSON lines; the format is in the plugin's
+/// `call_log.rs` and `--help`).
 pub struct CallLog {
     pub path: PathBuf,
 }
 
 impl CallLog {
-    /// Every call so far, in order.
-    pub fn calls(&self) -> Vec<Value> {
+    /// Every line, start and end lines alike, in the order written.
+    pub fn lines(&self) -> Vec<Value> {
         let text = match fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
@@ -608,6 +786,39 @@ impl CallLog {
         };
         text.lines()
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("call log line {l:?}: {e}")))
+            .collect()
+    }
+
+    /// Every call that ended so far (its end line, with `code`), in the
+    /// order they ended.
+    pub fn calls(&self) -> Vec<Value> {
+        self.lines()
+            .into_iter()
+            .filter(|l| l["event"] != "start")
+            .collect()
+    }
+
+    /// The start lines (`--log-starts`), in the order the calls started.
+    pub fn starts(&self) -> Vec<Value> {
+        self.lines()
+            .into_iter()
+            .filter(|l| l["event"] == "start")
+            .collect()
+    }
+
+    /// The calls that started and have not ended (yet): their start lines.
+    pub fn open_calls(&self) -> Vec<Value> {
+        let lines = self.lines();
+        let ended: std::collections::HashSet<&str> = lines
+            .iter()
+            .filter(|l| l["event"] != "start")
+            .filter_map(|l| l["call_id"].as_str())
+            .collect();
+        lines
+            .iter()
+            .filter(|l| l["event"] == "start")
+            .filter(|l| !l["call_id"].as_str().is_some_and(|id| ended.contains(id)))
+            .cloned()
             .collect()
     }
 

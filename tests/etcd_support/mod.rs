@@ -3,7 +3,8 @@
 //! temporary data directory, killed when the guard is dropped. A default
 //! instance (port 2379, /var/lib/etcd) is never used or touched.
 //!
-//! Used as `mod etcd_support;` next to `mod common;`.
+//! Used as `mod etcd_support;` next to `mod common;` (whose `freeze` and
+//! `thaw` it uses).
 #![allow(dead_code)]
 
 use std::fs;
@@ -243,22 +244,23 @@ impl Etcd {
         }
     }
 
-    /// Stops the member with SIGSTOP: connections stay open, nothing answers.
+    /// Stops the member with SIGSTOP: connections stay open, nothing
+    /// answers. Returns once every thread of etcd is stopped
+    /// (`common::freeze`), so the next call is made to a member that
+    /// cannot answer it.
     pub fn freeze(&self) {
-        self.signal(libc::SIGSTOP);
+        crate::common::freeze(self.pid(), "etcd");
     }
 
-    /// Lets a frozen member go on (SIGCONT).
+    /// Lets a frozen member go on (SIGCONT); returns once none of its
+    /// threads is stopped.
     pub fn thaw(&self) {
-        self.signal(libc::SIGCONT);
+        crate::common::thaw(self.pid(), "etcd");
     }
 
-    fn signal(&self, sig: libc::c_int) {
-        let child = self.child.as_ref().expect("etcd is running");
-        let pid = libc::pid_t::try_from(child.id()).expect("a pid fits pid_t");
-        // SAFETY: kill(2) on our own child, which has not been reaped.
-        let rc = unsafe { libc::kill(pid, sig) };
-        assert_eq!(rc, 0, "kill({pid}, {sig})");
+    /// The member's process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("etcd is running").id()
     }
 
     /// Starts the member again on the same ports and data.

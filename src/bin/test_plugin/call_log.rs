@@ -1,11 +1,40 @@
 //! The call log: one JSON line per call, appended before the reply is sent,
 //! so a test can assert the exact calls the plugin received. Secrets are
 //! recorded by key name only, never by value.
+//!
+//! Format (JSON lines, each written with one write(2) on an O_APPEND file,
+//! so lines of concurrent calls, and of several plugin processes sharing a
+//! file, never tear):
+//!
+//! - `event`: `"end"` — the line every call gets once its outcome is
+//!   known, before the reply is sent (always written; these are the lines
+//!   tests have always read) — or `"start"`, written when the call reaches
+//!   the plugin, before its fault rule and its work, only with
+//!   `--log-starts`. A call that never answers (a `hang` fault, a process
+//!   killed or stopped mid-call) has a start line and no end line; a `late`
+//!   call ends only after its late work, whatever the caller saw.
+//! - `call_id`: `"<pid>-<n>"`, `n` counting from 1 in each process: the
+//!   same on a call's start and end lines. `pid`: the plugin's process.
+//! - `start_boottime_ns`: CLOCK_BOOTTIME in ns when the call reached the
+//!   plugin (on both lines); `end_boottime_ns`: when it ended (end lines
+//!   only). CLOCK_BOOTTIME is one clock for the whole machine (unlike
+//!   `ts_ms`, it never steps and it runs through suspend), so times of
+//!   several plugin processes, agents and the test compare directly.
+//! - `ts_ms`: the wall clock (ms since the Unix epoch) when the line was
+//!   written.
+//! - `method`; `code` (end lines only): `"OK"`, a canonical gRPC code name,
+//!   or `"EXIT"` for an `exit` fault; `late`: true when a `late` fault held
+//!   the call past the caller's deadline.
+//! - What the request named, when the method has it: `volume_id`,
+//!   `node_id`, `staging_target_path`, `target_path`, `readonly`,
+//!   `access_mode`, `publish_context`, `volume_context`, `secret_keys`,
+//!   `mount_group`, `required_bytes`, `snapshot`, `topology`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use claimd::csi::*;
@@ -16,6 +45,16 @@ use serde::Serialize;
 /// omitted.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct CallRecord {
+    /// `"start"` or `"end"`.
+    pub event: &'static str,
+    /// `"<pid>-<n>"`: one call's start and end lines share it.
+    pub call_id: String,
+    pub pid: u32,
+    /// CLOCK_BOOTTIME (ns) when the call reached the plugin.
+    pub start_boottime_ns: u64,
+    /// CLOCK_BOOTTIME (ns) when it ended; end lines only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub end_boottime_ns: Option<u64>,
     pub ts_ms: u64,
     pub method: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -51,7 +90,9 @@ pub struct CallRecord {
     /// preferred) as `k=v,k=v` sets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topology: Option<Vec<String>>,
-    /// "OK", a canonical gRPC code name, or "EXIT".
+    /// "OK", a canonical gRPC code name, or "EXIT"; empty (left out) on
+    /// start lines.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub code: String,
     /// A `late` fault held the call past the caller's deadline before it
     /// did its work: the caller saw DEADLINE_EXCEEDED, whatever `code` says.
@@ -96,6 +137,38 @@ impl CallLog {
         }
         Ok(())
     }
+}
+
+/// The start line's and end line's `event`.
+pub const START: &str = "start";
+pub const END: &str = "end";
+
+/// A new `call_id` of this process.
+pub fn next_call_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!(
+        "{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// CLOCK_BOOTTIME in nanoseconds: one clock for every process of the
+/// machine, running through suspend, never stepped.
+pub fn boottime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer to a timespec; CLOCK_BOOTTIME exists on
+    // every Linux this runs on.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    let secs = u64::try_from(ts.tv_sec).unwrap_or(0);
+    let nanos = u64::try_from(ts.tv_nsec).unwrap_or(0);
+    secs.saturating_mul(1_000_000_000).saturating_add(nanos)
 }
 
 pub fn now_ms() -> u64 {

@@ -8,13 +8,15 @@ use std::path::PathBuf;
 pub const USAGE: &str = "\
 claimd-test-plugin: a CSI plugin (Identity, Node, Controller) for claimd's tests.
 
-Serves CSI v1 on a unix socket. Volumes are directories <root>/volumes/<volume_id>
-(block volumes: regular files <root>/volumes/<volume_id>.img); node operations are
-real bind mounts. Controller attachments and created volumes are kept in
-<root>/controller.json, staging paths in <root>/node.json, so they survive a restart.
+Serves CSI v1 on a unix socket. The storage system (--storage, default --root) holds
+the volumes, directories <storage>/volumes/<volume_id> (block volumes: regular files
+<storage>/volumes/<volume_id>.img), and <storage>/controller.json (controller
+attachments, created volumes, snapshots); node operations are real bind mounts, and
+this node's staging paths are kept in <root>/node.json, so all survive a restart.
+Plugins of several nodes share one --storage, each with its own --root.
 
 STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):
-    A volume exists when CreateVolume made it or when <root>/volumes/<id> (or
+    A volume exists when CreateVolume made it or when <storage>/volumes/<id> (or
     <id>.img) exists: a test \"creates\" a volume in the storage system with mkdir.
     Calls naming any other volume answer NOT_FOUND (DeleteVolume and
     ControllerUnpublish answer OK: such a volume is deleted and not attached).
@@ -28,7 +30,10 @@ STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):
     (with STAGE_UNSTAGE_VOLUME) and the volume staged there (FAILED_PRECONDITION);
     NodeUnpublish and NodeUnstage of a path where another volume is mounted answer
     FAILED_PRECONDITION. A missing required field (IDs, paths, capabilities with
-    access type and access mode) answers INVALID_ARGUMENT.
+    access type and access mode) answers INVALID_ARGUMENT. A volume_path (or
+    NodeExpandVolume's staging_target_path) that is not absolute, or where the
+    volume is not mounted, answers NOT_FOUND (\"volume does not exist on
+    specified volume_path\").
     ValidateVolumeCapabilities confirms every capability of an existing volume.
 
 USAGE:
@@ -37,7 +42,11 @@ USAGE:
 OPTIONS:
     --endpoint PATH             unix socket to serve (required); a stale socket
                                 file there is removed at start
-    --root DIR                  the plugin's state and volumes (required; created)
+    --root DIR                  the plugin's node-local state (required; created), and
+                                the storage system too unless --storage is given
+    --storage DIR               the storage system shared by every node's plugin:
+                                volumes, snapshots, controller.json, fencing state
+                                [default: --root]
     --node-id ID                node ID reported by NodeGetInfo [default: test-node]
     --known-nodes FILE          other node IDs ControllerPublishVolume accepts, one a
                                 line (blank lines and lines starting with # are
@@ -51,14 +60,18 @@ OPTIONS:
     --unknown-capability        also advertise capability type 99 (which no CSI
                                 version defines) in each capability list, to test
                                 that agents ignore it
-    --call-log PATH             append one JSON line per call (never secret values)
+    --call-log PATH             append one JSON line per call when it ends (never
+                                secret values); fields: see CALL LOG below
+    --log-starts                also append a line when each call starts, before its
+                                fault rule and its work (\"event\": \"start\"), so a call
+                                that never answers shows as started and not ended
     --faults PATH               fault file, re-read on every call (missing = none)
     --max-volumes-per-node N    reported by NodeGetInfo and enforced by
                                 ControllerPublishVolume (RESOURCE_EXHAUSTED) [default: 0,
                                 no limit]
     --volume-stats              advertise GET_VOLUME_STATS and VOLUME_CONDITION:
                                 NodeGetVolumeStats answers statvfs of the volume
-                                path; a file <root>/abnormal/<volume_id> makes the
+                                path; a file <storage>/abnormal/<volume_id> makes the
                                 volume abnormal, its content the message (without
                                 the flag: UNIMPLEMENTED)
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
@@ -72,11 +85,12 @@ OPTIONS:
                                 VOLUME_ACCESSIBILITY_CONSTRAINTS: CreateVolume places
                                 a volume in its requisite segment sets (else the first
                                 preferred one, else this node's); without the flag
-                                NodeGetInfo answers {claimd.test/node: NODE_ID} and
-                                CreateVolume refuses accessibility_requirements
+                                NodeGetInfo reports no topology and CreateVolume
+                                refuses accessibility_requirements (INVALID_ARGUMENT),
+                                as the spec ties both to that capability
     --snapshots                 advertise CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and
                                 CLONE_VOLUME: a snapshot is a copy of the volume
-                                directory in <root>/snapshots/<snapshot_id> (ID
+                                directory in <storage>/snapshots/<snapshot_id> (ID
                                 snap-<name>); a volume created from a snapshot or a
                                 volume starts with a copy of its content
     --expansion                 advertise EXPAND_VOLUME (controller and node) and
@@ -90,6 +104,16 @@ OPTIONS:
                                 volume directory that group (setgid, group rwx);
                                 without the flag a volume_mount_group is refused
                                 (INVALID_ARGUMENT)
+    --fence-on-unpublish        fencing, for every plugin sharing a --storage: as a
+                                node, record under <storage>/fencing/ each staging and
+                                target path set up, and refuse NodeStage and NodePublish
+                                of a volume fenced from this node (FAILED_PRECONDITION);
+                                as a controller, ControllerUnpublishVolume(volume, node)
+                                writes a durable fence marker, then unmounts every
+                                target and staging path that node recorded for the
+                                volume (umount2; a busy mount with MNT_DETACH) before it
+                                answers OK; ControllerPublishVolume of the volume to the
+                                node lifts the fence
     -h, --help                  print this help
 
 FAULT FILE (JSON):
@@ -109,6 +133,21 @@ FAULT FILE (JSON):
     count      applies to this many more calls; decremented in the file, which is
                rewritten atomically; the rule is dropped at 0 (absent = forever)
     The first matching rule applies.
+
+CALL LOG (JSON lines, one write(2) each, O_APPEND):
+    event             \"end\" (written before the reply is sent; always) or \"start\"
+                      (with --log-starts)
+    call_id           \"<pid>-<n>\": the same on a call's start and end lines
+    pid               the plugin process
+    start_boottime_ns CLOCK_BOOTTIME (ns) when the call reached the plugin: one
+                      clock for every process of the machine
+    end_boottime_ns   CLOCK_BOOTTIME (ns) when it ended (end lines only)
+    ts_ms             wall clock (ms since the epoch) when the line was written
+    method, code      the RPC; \"OK\", a gRPC code name or \"EXIT\" (end lines only)
+    late              true when a late fault held the call past its deadline
+    volume_id, node_id, staging_target_path, target_path, readonly, access_mode,
+    publish_context, volume_context, secret_keys (names only), mount_group,
+    required_bytes, snapshot, topology: what the request had
 ";
 
 #[derive(Clone, Debug)]
@@ -120,6 +159,13 @@ pub struct Config {
     pub stage: bool,
     pub controller: bool,
     pub call_log: Option<PathBuf>,
+    /// `--log-starts`: a call-log line when each call starts too.
+    pub log_starts: bool,
+    /// `--storage`: the storage system shared by every node's plugin
+    /// (`root` when not given).
+    pub storage: PathBuf,
+    /// `--fence-on-unpublish`: see `fencing.rs`.
+    pub fence_on_unpublish: bool,
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
@@ -159,6 +205,7 @@ impl Config {
     pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageError> {
         let mut endpoint = None;
         let mut root = None;
+        let mut storage = None;
         let mut config = Config {
             endpoint: PathBuf::new(),
             root: PathBuf::new(),
@@ -167,6 +214,9 @@ impl Config {
             stage: true,
             controller: true,
             call_log: None,
+            log_starts: false,
+            storage: PathBuf::new(),
+            fence_on_unpublish: false,
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
@@ -202,6 +252,7 @@ impl Config {
                 "-h" | "--help" => return Ok(Parsed::Help),
                 "--endpoint" => endpoint = Some(PathBuf::from(value("PATH")?)),
                 "--root" => root = Some(PathBuf::from(value("DIR")?)),
+                "--storage" => storage = Some(PathBuf::from(value("DIR")?)),
                 "--node-id" => config.node_id = value("ID")?,
                 "--name" => config.name = value("NAME")?,
                 "--call-log" => config.call_log = Some(PathBuf::from(value("PATH")?)),
@@ -241,6 +292,8 @@ impl Config {
                 | "--require-contexts"
                 | "--create-target-parent"
                 | "--volume-stats"
+                | "--log-starts"
+                | "--fence-on-unpublish"
                 | "--unknown-capability" => {
                     if inline.is_some() {
                         return Err(usage_error(format!("{flag} takes no value")));
@@ -254,6 +307,8 @@ impl Config {
                         "--snapshots" => config.snapshots = true,
                         "--expansion" => config.expansion = true,
                         "--mount-group" => config.mount_group = true,
+                        "--log-starts" => config.log_starts = true,
+                        "--fence-on-unpublish" => config.fence_on_unpublish = true,
                         _ => config.require_contexts = true,
                     }
                 }
@@ -262,14 +317,20 @@ impl Config {
         }
         config.endpoint = endpoint.ok_or_else(|| usage_error("--endpoint is required"))?;
         config.root = root.ok_or_else(|| usage_error("--root is required"))?;
+        config.storage = storage.unwrap_or_else(|| config.root.clone());
         if config.node_id.is_empty() {
             return Err(usage_error("--node-id must not be empty"));
         }
         if config.name.is_empty() {
             return Err(usage_error("--name must not be empty"));
         }
-        if config.endpoint.as_os_str().is_empty() || config.root.as_os_str().is_empty() {
-            return Err(usage_error("--endpoint and --root must not be empty"));
+        if config.endpoint.as_os_str().is_empty()
+            || config.root.as_os_str().is_empty()
+            || config.storage.as_os_str().is_empty()
+        {
+            return Err(usage_error(
+                "--endpoint, --root and --storage must not be empty",
+            ));
         }
         Ok(Parsed::Run(Box::new(config)))
     }

@@ -1,8 +1,12 @@
 //! The Controller service: attachments and created volumes, kept in
-//! `<root>/controller.json` (written atomically, re-read on every call when
-//! no write is in flight, so a restarted plugin remembers them and a test
-//! can make it "lose" them by deleting the file). Concurrent calls share
-//! fsyncs: see `controller_store.rs`.
+//! `<storage>/controller.json` in the shared storage (`--storage`; written
+//! atomically, re-read on every call when no write is in flight, so a
+//! restarted plugin remembers them and a test can make it "lose" them by
+//! deleting the file). Concurrent calls share fsyncs: see
+//! `controller_store.rs` (which also keeps the changes of several plugin
+//! processes sharing one storage from overwriting each other). With
+//! `--fence-on-unpublish`, ControllerUnpublishVolume fences the node
+//! (`fencing.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -44,7 +48,7 @@ pub struct Capacity {
     pub node: i64,
 }
 
-/// A snapshot: a copy of the volume directory in `<root>/snapshots/<id>`.
+/// A snapshot: a copy of the volume directory in `<storage>/snapshots/<id>`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotRecord {
     pub name: String,
@@ -209,6 +213,8 @@ impl Plugin {
         let mut response = ControllerPublishVolumeResponse::new();
         response.publish_context = publish_context(id, node).into_iter().collect();
 
+        // A fence of this volume and its lifting never interleave.
+        let _fence = self.fencing.as_ref().map(|f| f.volume_locks.lock(id));
         let attached = self.controller_state.update(|state| -> Outcome<bool> {
             // Under the state's lock, like DeleteVolume's check: a volume
             // cannot be deleted between this check and the attachment.
@@ -265,6 +271,9 @@ impl Plugin {
         if attached {
             log::info!("attached {id} to node {node}");
         }
+        // Only once the attachment is durable: the node may use the volume
+        // again.
+        self.lift_fence(id, node)?;
         Ok(response)
     }
 
@@ -276,6 +285,7 @@ impl Plugin {
         self.controller_supported("ControllerUnpublishVolume")?;
         let id = valid_volume_id("volume_id", &req.volume_id)?;
         let node = req.node_id.as_str();
+        let _fence = self.fencing.as_ref().map(|f| f.volume_locks.lock(id));
         let changed = self.controller_state.update(|state| -> Outcome<bool> {
             Ok(match state.attachments.get_mut(id) {
                 None => false,
@@ -295,6 +305,9 @@ impl Plugin {
                 if node.is_empty() { "every node" } else { node }
             );
         }
+        // OK only once the node has lost access (`fencing.rs`): a failed
+        // unmount fails the call, and the CO's retry fences again.
+        self.fence_on_unpublish(id, node)?;
         Ok(ControllerUnpublishVolumeResponse::new())
     }
 

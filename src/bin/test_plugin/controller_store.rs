@@ -11,9 +11,18 @@
 //!
 //! The group commit itself is the state store's:
 //! `claimd::state::group_commit`.
+//!
+//! A storage shared by several plugin processes (`--storage` other than
+//! `--root`) may have more than one writer (a node's NodeExpandVolume
+//! records a capacity; a restarted controller overlaps a dying one): there
+//! every change takes an exclusive flock of `<file>.lock` around re-reading,
+//! deciding and writing, so no process overwrites another's change. That
+//! serialises the changes of one process too (no shared fsyncs): the price
+//! of several writers, paid only with a shared storage.
 
 use std::fs;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use claimd::state::group_commit::GroupCommit;
@@ -29,6 +38,35 @@ pub struct Store<S> {
     /// file whenever nothing is pending), and the changes waiting for
     /// their write.
     state: GroupCommit<S>,
+    /// `<file>.lock`, flocked around each change, when other processes
+    /// may write the file too.
+    cross_process: Option<PathBuf>,
+}
+
+/// An exclusive flock, released when dropped (the file is closed).
+struct FileLock {
+    _file: fs::File,
+}
+
+impl FileLock {
+    fn exclusive(path: &Path) -> Result<FileLock, String> {
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("cannot open lock file {}: {e}", path.display()))?;
+        loop {
+            // SAFETY: flock on a descriptor this function owns.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(FileLock { _file: f });
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(format!("cannot lock {}: {e}", path.display()));
+            }
+        }
+    }
 }
 
 pub type ControllerStore = Store<crate::controller::ControllerState>;
@@ -49,10 +87,22 @@ impl<S> Store<S>
 where
     S: Clone + PartialEq + Default + Serialize + DeserializeOwned,
 {
+    /// A store only this process writes.
     pub fn new(path: PathBuf) -> Store<S> {
         Store {
             path,
             state: GroupCommit::new(S::default()),
+            cross_process: None,
+        }
+    }
+
+    /// A store that other processes may write too (a shared storage).
+    pub fn shared(path: PathBuf) -> Store<S> {
+        let mut lock = path.clone().into_os_string();
+        lock.push(".lock");
+        Store {
+            cross_process: Some(PathBuf::from(lock)),
+            ..Store::new(path)
         }
     }
 
@@ -72,6 +122,12 @@ where
         &self,
         f: impl FnOnce(&mut S) -> Result<R, E>,
     ) -> Result<R, E> {
+        // Held until the change is written: under it, nothing of this
+        // process is pending, so the refresh reads the latest file.
+        let _other_writers = match &self.cross_process {
+            Some(lock) => Some(FileLock::exclusive(lock)?),
+            None => None,
+        };
         self.state.refresh(|| load(&self.path))?;
         self.state.update(f, |_, batch| self.write(batch), E::from)
     }
@@ -125,6 +181,38 @@ mod tests {
         let m = on_disk(&s);
         assert_eq!(m.len(), 8 * 25 + 1);
         assert_eq!(m["count"], 8 * 25);
+    }
+
+    #[test]
+    fn shared_stores_of_two_processes_lose_no_change() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("state.json");
+        // Two stores on one file stand for two processes: each has its own
+        // view and its own group commit, as separate processes would.
+        let stores = [
+            Arc::new(Store::<Map>::shared(path.clone())),
+            Arc::new(Store::<Map>::shared(path.clone())),
+        ];
+        std::thread::scope(|scope| {
+            for (t, s) in stores.iter().enumerate() {
+                for i in 0..4 {
+                    let s = Arc::clone(s);
+                    scope.spawn(move || {
+                        for j in 0..10 {
+                            s.update(|m: &mut Map| -> Result<(), String> {
+                                m.insert(format!("{t}-{i}-{j}"), j);
+                                *m.entry("count".into()).or_default() += 1;
+                                Ok(())
+                            })
+                            .expect("update");
+                        }
+                    });
+                }
+            }
+        });
+        let m = on_disk(&stores[0]);
+        assert_eq!(m["count"], 2 * 4 * 10);
+        assert_eq!(m.len(), 2 * 4 * 10 + 1);
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! does not know, so an agent that sends a wrong ID fails loudly instead of
 //! getting a fresh, empty volume.
 //!
-//! A volume exists when `<root>/volumes/<id>` (a directory) or
-//! `<root>/volumes/<id>.img` (a block image) exists: CreateVolume makes the
+//! A volume exists when `<storage>/volumes/<id>` (a directory) or
+//! `<storage>/volumes/<id>.img` (a block image) exists: CreateVolume makes the
 //! directory, and a test "creates a volume in the storage system" with
 //! mkdir. A node exists when it is this plugin's own node ID or is listed in
 //! the `--known-nodes` file (one ID a line), which is re-read on every call
@@ -45,7 +45,7 @@ pub fn read_known_nodes(path: &Path) -> Result<Vec<String>, String> {
 
 impl Plugin {
     pub fn volumes_dir(&self) -> PathBuf {
-        self.config.root.join("volumes")
+        self.config.storage.join("volumes")
     }
 
     /// Whether the volume exists (see the module comment).

@@ -102,3 +102,12 @@ pub fn unmount_if_mounted(target: &Path) -> io::Result<bool> {
         Err(e) => Err(e),
     }
 }
+
+/// Detaches the topmost mount at `target` at once (MNT_DETACH): the path
+/// no longer leads to it, while what is open there stays usable until
+/// closed.
+pub fn unmount_detach(target: &Path) -> io::Result<()> {
+    let t = c_path(target)?;
+    // SAFETY: a valid NUL-terminated C string that outlives the call.
+    check(unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) })
+}

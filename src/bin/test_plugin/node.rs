@@ -14,6 +14,7 @@ use claimd::csi::*;
 use grpcio::RpcStatusCode;
 use protobuf::{EnumOrUnknown, MessageField};
 
+use crate::fencing::PathKind;
 use crate::mounts;
 use crate::path_locks::lock_key;
 use crate::plugin::*;
@@ -45,7 +46,7 @@ fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
 }
 
 /// Unmounts everything stacked on `path`.
-fn unmount_all(path: &Path) -> Outcome<()> {
+pub fn unmount_all(path: &Path) -> Outcome<()> {
     for _ in 0..MAX_STACKED_MOUNTS {
         if !mounts::unmount_if_mounted(path).map_err(|e| io_failure("unmount", path, e))? {
             return Ok(());
@@ -168,6 +169,7 @@ impl Plugin {
         let staging = valid_path("staging_target_path", &req.staging_target_path)?;
         let block = check_capability(&req.volume_capability)?;
         self.check_volume(id)?;
+        self.check_not_fenced(id)?;
         self.check_attached(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
         self.apply_mount_group(id, &req.volume_capability)?;
@@ -194,12 +196,17 @@ impl Plugin {
                 ));
             }
             self.record_staging(id, staging, false)?;
+            self.record_node_path(id, PathKind::Staging, staging, true)?;
+            self.recheck_fence(id, staging)?;
             return Ok(NodeStageVolumeResponse::new());
         }
         // Recorded first: a record without its mount is stale and ignored,
-        // a mount without its record would escape the one-path rule.
+        // a mount without its record would escape the one-path rule (and a
+        // fence, which unmounts the paths recorded for its node).
         self.record_staging(id, staging, false)?;
+        self.record_node_path(id, PathKind::Staging, staging, true)?;
         mounts::bind(&source, staging).map_err(|e| io_failure("bind-mount onto", staging, e))?;
+        self.recheck_fence(id, staging)?;
         log::info!("staged {id} at {}", staging.display());
         Ok(NodeStageVolumeResponse::new())
     }
@@ -222,6 +229,7 @@ impl Plugin {
             )));
         }
         unmount_all(staging)?;
+        self.record_node_path(id, PathKind::Staging, staging, false)?;
         let key = lock_key(staging);
         self.stagings
             .remove_if(id, |staged| lock_key(&staged.staging_target_path) == key)
@@ -253,6 +261,7 @@ impl Plugin {
             None
         };
         self.check_volume(id)?;
+        self.check_not_fenced(id)?;
         self.check_contexts(id, &req.publish_context, &req.volume_context)?;
         self.apply_mount_group(id, &req.volume_capability)?;
         if !self.config.stage {
@@ -310,6 +319,8 @@ impl Plugin {
             let same =
                 mounts::same_file(target, &source).map_err(|e| io_failure("stat", target, e))?;
             return if same && existing.read_only() == req.readonly {
+                self.record_node_path(id, PathKind::Target, target, true)?;
+                self.recheck_fence(id, target)?;
                 Ok(NodePublishVolumeResponse::new())
             } else {
                 Err(Failure::new(
@@ -336,6 +347,8 @@ impl Plugin {
             }
         };
         created.map_err(|e| io_failure("create target", target, e))?;
+        // Before the mount: a fence finds every path that may be mounted.
+        self.record_node_path(id, PathKind::Target, target, true)?;
 
         mounts::bind(&source, target).map_err(|e| io_failure("bind-mount onto", target, e))?;
         if req.readonly {
@@ -347,6 +360,7 @@ impl Plugin {
                 )));
             }
         }
+        self.recheck_fence(id, target)?;
         log::info!(
             "published {id} at {}{}",
             target.display(),
@@ -371,6 +385,7 @@ impl Plugin {
             )));
         }
         unmount_all(target)?;
+        self.record_node_path(id, PathKind::Target, target, false)?;
         // The plugin created the target; it removes it. A directory that is
         // not empty once unmounted is not ours to delete.
         match fs::symlink_metadata(target) {
@@ -438,12 +453,15 @@ impl Plugin {
             ));
         }
         let id = valid_volume_id("volume_id", &req.volume_id)?;
-        let path = valid_path("volume_path", &req.volume_path)?;
-        if mount_at(path)?.is_none() {
-            return Err(Failure::new(
-                RpcStatusCode::NOT_FOUND,
-                format!("{} is not a mount point", path.display()),
-            ));
+        let path = volume_path("volume_path", &req.volume_path)?;
+        self.check_volume(id)?;
+        // The spec's NOT_FOUND: "volume_id does not exist on specified
+        // volume_path" (another volume mounted there is not this one).
+        if !self.mounted_here(path, id)? {
+            return Err(Failure::not_found(format!(
+                "volume {id} is not mounted at {}",
+                path.display()
+            )));
         }
         let st = statvfs(path).map_err(|e| io_failure("statvfs", path, e))?;
         let usage = |unit, total: u64, free: u64| {
@@ -466,7 +484,7 @@ impl Plugin {
             st.f_files as u64,
             st.f_ffree as u64,
         ));
-        let flag = self.config.root.join("abnormal").join(id);
+        let flag = self.config.storage.join("abnormal").join(id);
         let mut c = VolumeCondition::new();
         match fs::read_to_string(&flag) {
             Ok(msg) => {
@@ -484,12 +502,18 @@ impl Plugin {
         _req: NodeGetInfoRequest,
         _call: &Call,
     ) -> Outcome<NodeGetInfoResponse> {
-        let mut topology = Topology::new();
-        topology.segments = self.node_topology().into_iter().collect();
         let mut r = NodeGetInfoResponse::new();
         r.node_id = self.config.node_id.clone();
         r.max_volumes_per_node = self.config.max_volumes_per_node;
-        r.accessible_topology = MessageField::some(topology);
+        // "A plugin that returns this field MUST also set the
+        // VOLUME_ACCESSIBILITY_CONSTRAINTS plugin capability": only with
+        // --topology, the flag that advertises it (and makes CreateVolume
+        // accept accessibility_requirements).
+        if let Some(segments) = self.node_topology() {
+            let mut topology = Topology::new();
+            topology.segments = segments.into_iter().collect();
+            r.accessible_topology = MessageField::some(topology);
+        }
         Ok(r)
     }
 }

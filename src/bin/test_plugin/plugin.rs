@@ -13,6 +13,7 @@ use crate::call_log::CallLog;
 use crate::config::Config;
 use crate::controller_store::ControllerStore;
 use crate::faults::Faults;
+use crate::fencing::Fencing;
 use crate::path_locks::{PathLocks, VolumeLocks};
 use crate::stagings::Stagings;
 
@@ -95,6 +96,9 @@ pub struct Plugin {
     pub controller_state: ControllerStore,
     pub faults: Option<Faults>,
     pub call_log: Option<CallLog>,
+    /// With `--fence-on-unpublish`: the fencing state in the shared
+    /// storage.
+    pub fencing: Option<Fencing>,
 }
 
 impl Plugin {
@@ -102,7 +106,14 @@ impl Plugin {
         Plugin {
             faults: config.faults.clone().map(Faults::new),
             call_log: config.call_log.clone().map(CallLog::new),
-            controller_state: ControllerStore::new(config.root.join("controller.json")),
+            controller_state: if config.storage == config.root {
+                ControllerStore::new(config.storage.join("controller.json"))
+            } else {
+                ControllerStore::shared(config.storage.join("controller.json"))
+            },
+            fencing: config
+                .fence_on_unpublish
+                .then(|| Fencing::new(&config.storage)),
             stagings: Stagings::new(config.root.join("node.json")),
             config,
             path_locks: PathLocks::default(),
@@ -203,6 +214,23 @@ pub fn valid_path<'a>(field: &str, path: &'a str) -> Outcome<&'a Path> {
     Ok(p)
 }
 
+/// The path of a volume the CO asks about (`volume_path` of
+/// NodeGetVolumeStats and NodeExpandVolume, the `staging_target_path` of
+/// NodeExpandVolume). Missing: INVALID_ARGUMENT (a required field). Not an
+/// absolute path (or with `..`): NOT_FOUND, the spec's code for "volume
+/// does not exist on specified volume_path" (no volume can be mounted at a
+/// relative path of the plugin's root file system), which is what csi-sanity
+/// expects; INVALID_ARGUMENT would tell the CO its request is malformed and
+/// never to retry it.
+pub fn volume_path<'a>(field: &str, path: &'a str) -> Outcome<&'a Path> {
+    match valid_path(field, path) {
+        Err(_) if !path.is_empty() => Err(Failure::not_found(format!(
+            "{field} {path:?} is not an absolute path: no volume is mounted there"
+        ))),
+        other => other,
+    }
+}
+
 /// Whether the capability asks for a block volume. The access type is
 /// required.
 pub fn is_block(cap: &VolumeCapability) -> Outcome<bool> {
@@ -238,4 +266,41 @@ pub fn check_capability(cap: &MessageField<VolumeCapability>) -> Outcome<bool> {
     let block = is_block(cap)?;
     access_mode(cap)?;
     Ok(block)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_the_co_gives_must_be_absolute_without_dot_dot() {
+        assert_eq!(
+            valid_path("target_path", "/a/b")
+                .map(Path::to_path_buf)
+                .ok(),
+            Some("/a/b".into())
+        );
+        for bad in ["", "a/b", "/a/../b", "/a\0b"] {
+            let e = valid_path("target_path", bad).expect_err(bad);
+            assert_eq!(e.code, RpcStatusCode::INVALID_ARGUMENT, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_volume_path_that_is_not_absolute_is_not_found_and_a_missing_one_invalid() {
+        assert_eq!(
+            volume_path("volume_path", "/a/b")
+                .map(Path::to_path_buf)
+                .ok(),
+            Some("/a/b".into())
+        );
+        let e = volume_path("volume_path", "").expect_err("empty");
+        assert_eq!(e.code, RpcStatusCode::INVALID_ARGUMENT);
+        assert_eq!(e.message, "volume_path is required");
+        for bad in ["relative/path", ".", "/a/../b"] {
+            let e = volume_path("volume_path", bad).expect_err(bad);
+            assert_eq!(e.code, RpcStatusCode::NOT_FOUND, "{bad:?}");
+            assert!(e.message.contains(bad), "{}", e.message);
+        }
+    }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use claimd::csi::grpc::*;
 use grpcio::{Deadline, GrpcSlice, Marshaller, MessageReader, Method, ServiceBuilder, UnarySink};
 
-use crate::call_log::{now_ms, CallRecord, Describe};
+use crate::call_log::{boottime_ns, next_call_id, now_ms, CallRecord, Describe, END, START};
 use crate::faults::Action;
 use crate::plugin::{Call, Failure, Outcome, Plugin};
 
@@ -257,6 +257,14 @@ impl Plugin {
         handler: Handler<Req, Resp>,
     ) {
         let mut record = req.describe(method);
+        record.call_id = next_call_id();
+        record.pid = std::process::id();
+        record.start_boottime_ns = boottime_ns();
+        if self.config.log_starts {
+            let mut start = record.clone();
+            start.event = START;
+            self.record(&mut start);
+        }
         let outcome = self.answer(&mut record, req, deadline, handler);
         record.code = match &outcome {
             Ok(_) => "OK".to_string(),
@@ -342,7 +350,13 @@ impl Plugin {
         handler(self, req, &call).map(Reply::Message)
     }
 
+    /// Appends the line: a start line as it is, any other as the call's
+    /// end line (`event` "end", `end_boottime_ns` now).
     fn record(&self, record: &mut CallRecord) {
+        if record.event != START {
+            record.event = END;
+            record.end_boottime_ns = Some(boottime_ns());
+        }
         if let Some(log) = &self.call_log {
             record.ts_ms = now_ms();
             if let Err(e) = log.append(record) {

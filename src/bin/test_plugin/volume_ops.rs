@@ -73,11 +73,11 @@ fn segments(t: &Topology) -> BTreeMap<String, String> {
 }
 
 impl Plugin {
-    /// This node's topology segments, as NodeGetInfo reports them.
-    pub fn node_topology(&self) -> BTreeMap<String, String> {
-        self.config.topology.clone().unwrap_or_else(|| {
-            BTreeMap::from([("claimd.test/node".to_string(), self.config.node_id.clone())])
-        })
+    /// This node's topology segments, as NodeGetInfo reports them: only
+    /// with `--topology`, which also advertises
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS (the spec ties the two together).
+    pub fn node_topology(&self) -> Option<BTreeMap<String, String>> {
+        self.config.topology.clone()
     }
 
     /// Where CreateVolume puts a volume: its requisite segment sets, else
@@ -144,7 +144,7 @@ impl Plugin {
     }
 
     fn snapshots_dir(&self) -> PathBuf {
-        self.config.root.join("snapshots")
+        self.config.storage.join("snapshots")
     }
 
     fn snapshots_supported(&self, method: &str) -> Outcome<()> {
@@ -352,11 +352,14 @@ impl Plugin {
             ));
         }
         let id = valid_volume_id("volume_id", &req.volume_id)?;
-        let path = valid_path("volume_path", &req.volume_path)?;
+        let path = volume_path("volume_path", &req.volume_path)?;
         self.check_volume(id)?;
         let mut paths = vec![path];
         if !req.staging_target_path.is_empty() {
-            paths.push(valid_path("staging_target_path", &req.staging_target_path)?);
+            paths.push(volume_path(
+                "staging_target_path",
+                &req.staging_target_path,
+            )?);
         }
         for p in paths {
             if !self.mounted_here(p, id)? {
