@@ -337,9 +337,16 @@ fn a_cut_off_node_lets_go_by_itself_and_the_cluster_detaches_and_frees_it() {
     let c = Cluster::start(vec![
         host("h", &["a", "b"])
             .stop_after_disconnect(STOP_AFTER)
-            .fencing(),
-        node_only("a").proxied().stop_after_disconnect(STOP_AFTER),
-        node_only("b").stop_after_disconnect(STOP_AFTER).fencing(),
+            .fencing()
+            .fenced_storage(),
+        node_only("a")
+            .proxied()
+            .stop_after_disconnect(STOP_AFTER)
+            .fenced_storage(),
+        node_only("b")
+            .stop_after_disconnect(STOP_AFTER)
+            .fencing()
+            .fenced_storage(),
     ]);
     c.add_volume(&volume());
     let (h, a, b) = (c.node("h"), c.node("a"), c.node("b"));

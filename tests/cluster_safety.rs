@@ -30,33 +30,10 @@ fn volume() -> Value {
     volume_json("v", "ext-v", &["single-node-writer"])
 }
 
-/// Waits until every thread of `pid` is stopped (state `T` in
-/// /proc/PID/task/*/stat): a SIGSTOP has taken effect only then.
-fn wait_stopped(pid: u32) {
-    wait_until(
-        SHOW_TIMEOUT,
-        &format!("process {pid} to be stopped"),
-        || {
-            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-                return false;
-            };
-            tasks.flatten().all(|t| {
-                std::fs::read_to_string(t.path().join("stat"))
-                    .ok()
-                    .and_then(|s| {
-                        s.rsplit_once(')')
-                            .map(|(_, rest)| rest.trim_start().starts_with('T'))
-                    })
-                    .unwrap_or(true)
-            })
-        },
-    );
-}
-
+/// SIGSTOPs the node's agent; returns once every thread is stopped.
 fn stop(n: &Node) -> u32 {
     let pid = n.agent.pid().expect("the agent runs");
-    send_signal(pid, libc::SIGSTOP);
-    wait_stopped(pid);
+    freeze(pid, "the agent");
     pid
 }
 
@@ -110,7 +87,7 @@ fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
     assert_mounted(&path);
     // a goes on: its own clock says its lease is long gone, so it lets go
     // by itself; then b gets the volume, after a's unmount.
-    send_signal(pid, libc::SIGCONT);
+    thaw(pid, "the agent");
     wait_until(RETRY_TIMEOUT, "b's mount after a let go", || {
         b.volume_status("q1")["phase"] == "published"
     });
@@ -119,6 +96,61 @@ fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
     let np = b.one_call(NP);
     assert!(ts(&np) >= ts(&nup), "b published {np} before a's {nup}");
     assert!(a.agent.log().contains("released while disconnected"));
+    assert_eq!(c.holders("v"), ["q1"]);
+}
+
+/// The same pause with a volume the cluster can fence (a plugin listed in
+/// `fencing_plugins` whose ControllerUnpublish cuts the node off): the
+/// reaper detaches it from the paused node first, the fence unmounts the
+/// paused node's paths, and only then does the other node get it.
+#[test]
+fn a_paused_agents_fenced_volume_moves_after_the_fence() {
+    let c = Cluster::start(vec![
+        host("h", &["a", "b"]).fencing().fenced_storage(),
+        node_only("a")
+            .stop_after_disconnect(STOP_AFTER)
+            .fenced_storage(),
+        node_only("b").fencing().fenced_storage(),
+    ]);
+    c.add_volume(&volume());
+    let (h, a, b) = (c.node("h"), c.node("a"), c.node("b"));
+    let path = a.mount_ok("p1", "data=v");
+    b.mount_waiting("q1", "data=v");
+    let pid = stop(a);
+    c.wait_gone("a");
+    wait_until(RETRY_TIMEOUT, "b's mount after the fence", || {
+        b.volume_status("q1")["phase"] == "published"
+    });
+    // a is still paused: it did nothing; the fence unmounted its target.
+    assert!(!is_mount_point(&path), "{} still mounted", path.display());
+    assert!(a.calls_of(NUP).is_empty(), "{:?}", a.calls_of(NUP));
+    let cup = h
+        .calls_of(CUP)
+        .into_iter()
+        .find(|c| c["node_id"] == "ext-a")
+        .expect("a ControllerUnpublish of a");
+    let np = b.one_call(NP);
+    assert!(
+        ts(&np) >= ts(&cup),
+        "b published {np} before the fence {cup}"
+    );
+    let fence = c.dir.path().join("storage/fencing/ext-v/ext-a/fenced");
+    let marker: Value =
+        serde_json::from_str(&std::fs::read_to_string(&fence).expect("the fence marker"))
+            .expect("JSON");
+    assert!(
+        marker["unmounted"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|p| p.as_str() == path.to_str())),
+        "{marker}"
+    );
+    let note = c.get_json("freed/v/p1").expect("a freed note");
+    assert_eq!(note["claim"]["node"], "a", "{note}");
+    assert_eq!(c.holders("v"), ["q1"]);
+    thaw(pid, "the agent");
+    // a comes back: its release of p1 finishes, nothing of a is mounted.
+    wait_until(RETRY_TIMEOUT, "a to drop p1", || a.no_allocs());
+    assert!(a.mounts().is_empty(), "{:?}", a.mounts());
     assert_eq!(c.holders("v"), ["q1"]);
 }
 

@@ -89,6 +89,9 @@ pub struct NodeSpec {
     /// of a ControllerPublish (`--require-contexts`, block storage);
     /// false for a node-only plugin (NFS-like: nothing to attach).
     pub requires_contexts: bool,
+    /// The plugin shares the cluster's storage (`<dir>/storage`) and
+    /// fences on ControllerUnpublish (`--fence-on-unpublish`).
+    pub fenced_storage: bool,
 }
 
 /// A node whose plugin serves the controller side for itself and for
@@ -102,6 +105,7 @@ pub fn host(name: &str, others: &[&str]) -> NodeSpec {
         csi_call_timeout: None,
         plugin_args: Vec::new(),
         requires_contexts: true,
+        fenced_storage: false,
     }
 }
 
@@ -116,6 +120,7 @@ pub fn node_only(name: &str) -> NodeSpec {
         csi_call_timeout: None,
         plugin_args: Vec::new(),
         requires_contexts: true,
+        fenced_storage: false,
     }
 }
 
@@ -129,6 +134,13 @@ pub fn nfs_node(name: &str) -> NodeSpec {
 }
 
 impl NodeSpec {
+    /// The plugin shares the cluster's storage and fences on
+    /// ControllerUnpublish: a detach really cuts the node off.
+    pub fn fenced_storage(mut self) -> NodeSpec {
+        self.fenced_storage = true;
+        self
+    }
+
     /// Sets a field of the agent's `cluster` section.
     pub fn cluster_field(mut self, key: &str, value: Value) -> NodeSpec {
         self.cluster.push((key.to_string(), value));
@@ -184,9 +196,12 @@ impl Node {
     pub fn prepare(dir: &Path, spec: NodeSpec, etcd: &Etcd) -> Node {
         let ndir = dir.join(&spec.name);
         let extra: Vec<&str> = spec.plugin_args.iter().map(String::as_str).collect();
-        let builder = TestPlugin::builder(&ndir)
+        let mut builder = TestPlugin::builder(&ndir)
             .node_id(&ext(&spec.name))
             .args(&extra);
+        if spec.fenced_storage {
+            builder = builder.storage(&dir.join("storage")).fence_on_unpublish();
+        }
         let plugin = match &spec.controller_for {
             Some(others) => {
                 let others: Vec<&str> = others.iter().map(String::as_str).collect();
