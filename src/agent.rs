@@ -292,6 +292,7 @@ impl Agent {
                     attach_timeout: c.attach_timeout,
                     fencing_plugins: c.fencing_plugins.clone(),
                     free_unfenced: c.free_unfenced_claims,
+                    csi_call: config.timeouts.csi_call,
                     shutdown: shutdown.clone(),
                 })
                 .map_err(io_err("failed to start the reaper thread"))?;

@@ -543,6 +543,15 @@ impl EtcdClaims {
             super::fencing::FreeDecision::DetachThenFree => {
                 if let Some(req) = &request {
                     self.detach_guarded(req, wait, shutdown, &gone)?;
+                    if let Some(settle) = rule.publish_settle() {
+                        // A ControllerPublish to the node that timed out
+                        // before the fence may still land: wait out its
+                        // bound, then unpublish again.
+                        if !shutdown.sleep(settle) {
+                            return Err(AttachError::Stopping);
+                        }
+                        self.detach_guarded(req, wait, shutdown, &gone)?;
+                    }
                     out.detached = true;
                 }
             }

@@ -171,6 +171,12 @@ pub enum FreeRule<'a> {
     Cluster {
         fencing_plugins: &'a [String],
         free_unfenced: bool,
+        /// How long a ControllerPublish to the node sent before the fence
+        /// may still be running (the CSI call deadline): the fence counts
+        /// only once that long after a first ControllerUnpublish OK a second
+        /// one answered OK too, so a timed-out publish that lands late is
+        /// undone before the claim is freed.
+        publish_settle: Duration,
     },
 }
 
@@ -187,6 +193,14 @@ pub enum FreeDecision {
 }
 
 impl FreeRule<'_> {
+    /// See `FreeRule::Cluster::publish_settle`; none for an operator.
+    pub fn publish_settle(&self) -> Option<Duration> {
+        match self {
+            FreeRule::Operator => None,
+            FreeRule::Cluster { publish_settle, .. } => Some(*publish_settle),
+        }
+    }
+
     /// `attached_plugin`: the plugin of the node's controller attachment
     /// of the volume, if it has one.
     pub fn decide(&self, attached_plugin: Option<&str>) -> FreeDecision {
@@ -197,6 +211,7 @@ impl FreeRule<'_> {
                 FreeRule::Cluster {
                     fencing_plugins,
                     free_unfenced,
+                    ..
                 },
                 Some(p),
             ) => {
@@ -604,6 +619,7 @@ mod tests {
         let cluster = FreeRule::Cluster {
             fencing_plugins: &marked,
             free_unfenced: false,
+            publish_settle: Duration::ZERO,
         };
         assert_eq!(cluster.decide(Some("san")), FreeDecision::DetachThenFree);
         assert!(matches!(
@@ -614,6 +630,7 @@ mod tests {
         let opted = FreeRule::Cluster {
             fencing_plugins: &[],
             free_unfenced: true,
+            publish_settle: Duration::ZERO,
         };
         assert_eq!(opted.decide(None), FreeDecision::Free);
         assert_eq!(opted.decide(Some("nfs")), FreeDecision::DetachThenFree);

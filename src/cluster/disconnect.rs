@@ -127,6 +127,9 @@ pub struct RuleParts {
     pub attach_timeout: Duration,
     pub fencing_plugins: Vec<String>,
     pub free_unfenced: bool,
+    /// This cluster's CSI call deadline: how long a ControllerPublish sent
+    /// before a fence may still land.
+    pub csi_call: Duration,
     pub shutdown: Shutdown,
 }
 
@@ -392,6 +395,7 @@ impl Reaper {
         let rule = FreeRule::Cluster {
             fencing_plugins: &self.parts.fencing_plugins,
             free_unfenced: self.parts.free_unfenced,
+            publish_settle: self.parts.csi_call,
         };
         for v in &volumes {
             match claims.release_node_volume(
