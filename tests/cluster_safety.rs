@@ -9,7 +9,13 @@
 //!    from its last renewal (persisted), not from its restart;
 //! 3. an agent restarted after the cluster freed its claim does not stage
 //!    or publish the volume again: it releases the allocation;
-//! 4. a volume is deregistered only while it has no claim (one `Txn`).
+//! 4. a volume is deregistered only while it has no claim (one `Txn`);
+//! 5. a second instance of a node name neither registers nor frees the
+//!    first one's claims;
+//! 6. a forwarded controller call that outlasts its requester's wait is
+//!    reported as in progress and removed once finished.
+//!
+//! Also here: a fenced volume of a paused node moves only after the fence.
 //!
 //! The harness is tests/cluster_controller_support.
 
@@ -333,4 +339,63 @@ fn a_second_instance_of_a_node_name_neither_registers_nor_frees_the_claims() {
     assert_eq!(c.holders("v"), ["p1"]);
     twin.kill();
     a.heal();
+}
+
+// ---- 6. A forwarded call its requester gave up on ----------------------------
+
+/// A volume operation forwarded to a controller host that outlasts the
+/// requester's wait: the requester says the host is performing it (its
+/// outcome unknown), not that it failed; and the finished call is removed
+/// from etcd although its requester no longer reads it (issue 22, defect
+/// 11). (A call nobody took is withdrawn by the requester; a host refuses
+/// one whose wait has passed: not tested here.)
+#[test]
+fn a_forwarded_call_outlasting_its_wait_is_reported_in_progress_and_cleaned_up() {
+    let c = Cluster::start(vec![
+        host("h", &["b"]),
+        node_only("b").cluster_field("attach_timeout", json!("2s")),
+    ]);
+    let (h, b) = (c.node("h"), c.node("b"));
+    let definition = json!({
+        "id": "db",
+        "plugin_id": PLUGIN_ID,
+        "access_modes": ["single-node-writer"],
+        "attachment_modes": ["file-system"],
+        "capacity_range": {"required_bytes": 1_048_576},
+    });
+    let socket = b
+        .agent
+        .config
+        .api_socket
+        .to_str()
+        .expect("UTF-8")
+        .to_string();
+    let text = serde_json::to_vec(&definition).expect("encode");
+    run_claimd(
+        &["volume", "create", "-", "--socket", &socket, "--json"],
+        Some(&text),
+        &[],
+        MOUNT_TIMEOUT,
+    )
+    .ok();
+    h.plugin.faults().set(json!([
+        {"method": "DeleteVolume", "action": "delay", "ms": 5000, "count": 1}
+    ]));
+    let out = b.agent.cli(&["volume", "delete", "db"]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("is performing the forwarded DeleteVolume call"),
+        "{}",
+        out.stderr
+    );
+    wait_until(RETRY_TIMEOUT, "the host's DeleteVolume", || {
+        !h.calls_of("DeleteVolume").is_empty()
+    });
+    assert_eq!(h.calls_of("DeleteVolume")[0]["code"], "OK");
+    wait_until(RETRY_TIMEOUT, "the finished call to be removed", || {
+        c.keys("controller-calls/").is_empty()
+    });
+    assert!(h.agent.log().contains("removed the finished call"));
+    assert!(c.keys("controller-call-locks/").is_empty());
 }

@@ -50,6 +50,30 @@ pub struct ControllerCallRecord {
     pub handled_by: Option<String>,
     pub requested_at_ms: u64,
     pub updated_at_ms: u64,
+    /// How long the requester waits for the answer (0: not said, from an
+    /// older agent). A host never performs a call whose requester has given
+    /// up (`requested_at_ms + wait_ms` passed by its own clock), and
+    /// removes a finished one that long after it first saw it finished.
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// The longest a finished call stays in etcd, at the least, after the
+/// host first saw it finished (its requester reads and deletes it long
+/// before; this removes what a requester that died left behind).
+pub const FINISHED_CALL_RETENTION: Duration = Duration::from_secs(10);
+
+impl ControllerCallRecord {
+    /// The requester has given up on it, by this machine's wall clock (a
+    /// skewed clock only makes a host refuse sooner or keep it longer).
+    pub fn expired(&self) -> bool {
+        self.wait_ms > 0 && now_ms() > self.requested_at_ms.saturating_add(self.wait_ms)
+    }
+
+    /// How long the host keeps it once finished.
+    pub fn retention(&self) -> Duration {
+        Duration::from_millis(self.wait_ms) + FINISHED_CALL_RETENTION
+    }
 }
 
 pub fn parse_call(kv: &KeyValue) -> Result<ControllerCallRecord, ClaimError> {
@@ -117,6 +141,7 @@ pub(super) fn forward(
         handled_by: None,
         requested_at_ms: now,
         updated_at_ms: now,
+        wait_ms: wait.as_millis() as u64,
     };
     let value = serde_json::to_vec(&rec).expect("a call always encodes");
     claims
@@ -170,8 +195,42 @@ pub(super) fn forward(
         }
         pause = (pause * 2).min(POLL_MAX);
     };
-    // Answered or given up: the call is not left behind (a host still on
-    // it finds it gone and writes nothing).
+    if matches!(answer, Err(AttachError::NoAnswer { .. })) {
+        // Given up: withdrawn only while no host has taken it (its lock is
+        // absent); a host on it finishes it, and this caller says so
+        // rather than pretending it did not happen.
+        let lock = claims.controller_call_lock_key(&key);
+        let withdrawn = claims.client().txn(
+            &[Compare::absent(lock.clone())],
+            &[TxnOp::delete(key.clone())],
+            &[TxnOp::get(lock)],
+        );
+        return match withdrawn {
+            Ok(t) if t.succeeded => answer,
+            Ok(t) => {
+                let host = t
+                    .first_range()
+                    .and_then(|r| r.kvs.first())
+                    .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
+                    .and_then(|v| v["host"].as_str().map(str::to_string))
+                    .unwrap_or_default();
+                Err(AttachError::Failed {
+                    error: format!(
+                        "no answer within {wait:?}, and controller host {host} is performing the forwarded {method} call: its outcome is not known (it is not undone; look before trying again)"
+                    ),
+                    host,
+                    retryable: false,
+                    code: 4,
+                })
+            }
+            Err(e) => {
+                log::info!("cluster: the forwarded call {key} could not be withdrawn: {e} (a host will not perform it once it expired)");
+                answer
+            }
+        };
+    }
+    // Answered: the call is not left behind (a host that died first left
+    // it: the next host removes it after its retention).
     if let Err(e) = claims.client().delete_range(&key, "") {
         log::info!("cluster: the forwarded call {key} stays in etcd: {e}");
     }

@@ -14,7 +14,7 @@
 //! result is written only while the request is unchanged and the lock is
 //! still this host's.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::liveness::NodeLiveness;
-use crate::claims::controller_calls::{from_hex, parse_call, to_hex};
+use crate::claims::controller_calls::{from_hex, parse_call, to_hex, ControllerCallRecord};
 use crate::claims::remote::{
     now_ms, parse_attachment, AttachState, AttachmentRecord, ControllerHostRecord, Want,
 };
@@ -63,6 +63,7 @@ impl ControllerHost {
             announced: BTreeMap::new(),
             busy: Arc::new(Mutex::new(HashSet::new())),
             workers: Threads::new(),
+            finished_seen: HashMap::new(),
         };
         threads.spawn("controller-host", move || host.run())?;
         Ok(ControllerHost {
@@ -91,6 +92,9 @@ struct Host {
     /// Requests (keys) a worker of this host is performing.
     busy: Arc<Mutex<HashSet<String>>>,
     workers: Threads,
+    /// Finished forwarded calls, since when this host saw them finished:
+    /// removed after their retention (a requester that died left them).
+    finished_seen: HashMap<String, Instant>,
 }
 
 impl Host {
@@ -291,6 +295,8 @@ impl Host {
             .client()
             .range_prefix(self.claims.controller_calls_prefix())
             .map_err(crate::claims::etcd::unavailable)?;
+        let present: HashSet<String> = r.kvs.iter().map(|kv| kv.key_str().into_owned()).collect();
+        self.finished_seen.retain(|k, _| present.contains(k));
         for kv in &r.kvs {
             let key = kv.key_str().into_owned();
             let rec = match parse_call(kv) {
@@ -300,7 +306,11 @@ impl Host {
                     continue;
                 }
             };
-            if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
+            if rec.state != AttachState::Pending {
+                self.remove_finished(kv, &rec);
+                continue;
+            }
+            if self.busy.lock().contains(&key) {
                 continue;
             }
             let under_plugin = key
@@ -346,6 +356,31 @@ impl Host {
             }
         }
         Ok(())
+    }
+
+    /// Removes a finished call its requester left behind, once it was seen
+    /// finished for longer than its retention (only that very version).
+    fn remove_finished(&mut self, kv: &KeyValue, rec: &ControllerCallRecord) {
+        let key = kv.key_str().into_owned();
+        let since = *self
+            .finished_seen
+            .entry(key.clone())
+            .or_insert_with(Instant::now);
+        if since.elapsed() < rec.retention() {
+            return;
+        }
+        let same = Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision);
+        match self
+            .claims
+            .client()
+            .txn(&[same], &[TxnOp::delete(key.clone())], &[])
+        {
+            Ok(_) => {
+                log::info!("controller host: removed the finished call {key} its requester left");
+                self.finished_seen.remove(&key);
+            }
+            Err(e) => log::info!("controller host: finished call {key} not removed yet: {e}"),
+        }
     }
 
     /// Takes the request's lock on this node's lease: a free lock, or one
@@ -576,6 +611,17 @@ impl Work {
         if rec.state != AttachState::Pending {
             self.unlock();
             return Ok(());
+        }
+        if rec.expired() {
+            // Its requester gave up: never performed late (a DeleteVolume
+            // after the user saw an error), withdrawn instead.
+            log::warn!(
+                "controller host: {} of plugin {} for node {} not performed: its requester stopped waiting for it",
+                rec.method,
+                rec.plugin_id,
+                rec.requested_by
+            );
+            return self.finish(&kv, TxnOp::delete(self.key.clone()));
         }
         let invalid = |why: String| (why, grpcio::RpcStatusCode::INVALID_ARGUMENT, false);
         let result = match (
