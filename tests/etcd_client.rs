@@ -520,6 +520,37 @@ fn a_stopped_etcd_gives_a_retryable_error_within_the_deadline() {
 }
 
 #[test]
+fn an_idle_watch_stays_fresh_and_a_frozen_member_makes_it_stale() {
+    let etcd = Etcd::start();
+    let c = etcd.client_with(Duration::from_secs(2));
+    let w = c.watch("/t/fresh", "", 0).expect("watch");
+    let fresh = Duration::from_secs(4);
+    assert!(w.is_fresh(fresh));
+    // Idle for longer than its progress period: still fresh, because the
+    // stream asks etcd for progress and etcd answers.
+    let idle_until = Instant::now() + claimd::etcd::AUTO_PROGRESS * 3;
+    while Instant::now() < idle_until {
+        assert!(w.is_fresh(fresh), "an idle watch of a live etcd went stale");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A member that answers nothing: the watch shows it (issue 22, defect
+    // 9: a silent watch is never taken for "nothing changed").
+    etcd.freeze();
+    wait_until(Duration::from_secs(30), "the watch to go stale", || {
+        !w.is_fresh(fresh)
+    });
+    etcd.thaw();
+    wait_until(
+        Duration::from_secs(60),
+        "the watch to be fresh again",
+        || w.is_fresh(fresh),
+    );
+    // And it still delivers.
+    c.put("/t/fresh", "1").expect("put");
+    assert_eq!(summary(&next_event(&w)), triple("put", "/t/fresh", "1"));
+}
+
+#[test]
 fn a_frozen_etcd_costs_one_call_deadline_not_a_hang() {
     let etcd = Etcd::start();
     let timeout = Duration::from_secs(2);

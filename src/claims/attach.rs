@@ -20,6 +20,10 @@ use crate::etcd::{Compare, CompareOp, TxnOp};
 use crate::shutdown::Shutdown;
 use crate::volumes::Usage;
 
+/// A watch etcd has not answered on for this long (an idle stream asks for
+/// progress every `etcd::watch::AUTO_PROGRESS`) is stale.
+const WATCH_STALE_AFTER: Duration = Duration::from_secs(6);
+
 /// The first and the longest pause between two reads of a request that
 /// waits for its result.
 const RESULT_POLL_MIN: Duration = Duration::from_millis(20);
@@ -321,9 +325,15 @@ impl RemoteControllers for EtcdClaims {
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
         let (need_watch, old) = {
             let mut cache = self.controllers.lock();
+            // Events, an ended watch, or a watch etcd has not answered on
+            // lately (a member cut off from its quorum): the answers are
+            // not trusted; read again.
             let changed = match &cache.watcher {
                 None => true,
-                Some(w) => !matches!(w.recv_timeout(Duration::ZERO), Ok(None)),
+                Some(w) => {
+                    !matches!(w.recv_timeout(Duration::ZERO), Ok(None))
+                        || !w.is_fresh(WATCH_STALE_AFTER)
+                }
             };
             let mut old = None;
             if changed {

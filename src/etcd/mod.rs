@@ -30,5 +30,5 @@ pub use keepalive::{KeepAlive, RenewalClock};
 pub use kv::{prefix_end, DeleteResponse, KeyValue, LeaseId, PutResponse, RangeResponse};
 pub use tls::{ClientIdentity, TlsOptions};
 pub use txn::{Compare, CompareOp, CompareTarget, TxnOp, TxnOpResponse, TxnResponse};
-pub use watch::{WatchEvent, Watcher};
+pub use watch::{WatchEvent, Watcher, AUTO_PROGRESS};
 pub use worker::STOP_TIMEOUT;

@@ -6,6 +6,13 @@
 //! revision after the last event delivered, so no event is lost or repeated;
 //! a start revision that has been compacted away ends the watch with
 //! `EtcdError::Compacted`.
+//!
+//! A watch is trusted only while it shows it is alive: the stream asks for
+//! a leader (etcd's `hasleader` metadata: a member cut off from its quorum
+//! ends the stream instead of going silent, and the watch is reopened on
+//! another endpoint), and an idle stream asks for progress every
+//! `AUTO_PROGRESS`; `Watcher::is_fresh` says whether etcd answered lately.
+//! What depends on a watch that is not fresh reads with a Range instead.
 
 use std::time::{Duration, Instant};
 
@@ -22,8 +29,8 @@ use crate::generated::etcd_kv as mvccpb;
 
 type WatchStream = DuplexStream<pb::WatchRequest, pb::WatchResponse>;
 
-/// How long one stream wait lasts before the loop looks around again.
-const POLL: Duration = Duration::from_secs(30);
+/// How long an idle stream waits before it asks etcd for progress.
+pub const AUTO_PROGRESS: Duration = Duration::from_secs(2);
 /// Backoff between attempts to reopen a broken stream.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
@@ -60,6 +67,8 @@ enum Command {
 pub struct Watcher {
     events: Receiver<Result<WatchEvent, EtcdError>>,
     commands: Sender<Command>,
+    /// When etcd last answered on the stream (an event, a progress).
+    heard: std::sync::Arc<parking_lot::Mutex<Instant>>,
     call_timeout: Duration,
     worker: Worker,
 }
@@ -80,6 +89,13 @@ impl Watcher {
             Err(RecvTimeoutError::Timeout) => Ok(None),
             Err(RecvTimeoutError::Disconnected) => Err(EtcdError::Stopped),
         }
+    }
+
+    /// Whether etcd answered on this watch's stream within `max_age`: a
+    /// watch that did not is stale, and nothing may be concluded from its
+    /// silence. (An idle stream asks for progress every `AUTO_PROGRESS`.)
+    pub fn is_fresh(&self, max_age: Duration) -> bool {
+        self.heard.lock().elapsed() < max_age
     }
 
     /// The event channel itself, for `select!`.
@@ -134,9 +150,12 @@ fn open(
 ) -> Result<(WatchStream, pb::WatchResponse), EtcdError> {
     let deadline = Instant::now() + inner.call_timeout;
     inner.with_endpoint("Watch", deadline, true, stop, |ep, deadline| {
+        let mut md = grpcio::MetadataBuilder::new();
+        md.add_str("hasleader", "true")
+            .expect("a valid ASCII metadata pair");
         let pair = ep
             .watch
-            .watch(CallOption::default())
+            .watch(CallOption::default().headers(md.build()))
             .map_err(|e| EtcdError::from_grpc("Watch", &ep.name, e))?;
         let mut stream = DuplexStream::new("Watch", &ep.name, pair);
         stream.send(spec.create_request(), deadline, stop)?;
@@ -189,6 +208,8 @@ impl EtcdClient {
         let (events_tx, events) = crossbeam_channel::unbounded();
         let (commands, commands_rx) = crossbeam_channel::unbounded();
         let inner = self.inner.clone();
+        let heard = std::sync::Arc::new(parking_lot::Mutex::new(Instant::now()));
+        let loop_heard = heard.clone();
         let worker = Worker::spawn("etcd-watch", move |stop| {
             let mut w = WatchLoop {
                 inner: &inner,
@@ -197,12 +218,15 @@ impl EtcdClient {
                 events: events_tx,
                 commands: commands_rx,
                 stop,
+                heard: loop_heard,
+                asked_progress: 0,
             };
             w.run(stream);
         })?;
         Ok(Watcher {
             events,
             commands,
+            heard,
             call_timeout: self.inner.call_timeout,
             worker,
         })
@@ -216,6 +240,10 @@ struct WatchLoop<'a> {
     events: Sender<Result<WatchEvent, EtcdError>>,
     commands: Receiver<Command>,
     stop: StopSignal,
+    heard: std::sync::Arc<parking_lot::Mutex<Instant>>,
+    /// Progress answers owed to `request_progress` callers (the loop's own
+    /// idle requests are not delivered).
+    asked_progress: usize,
 }
 
 /// Whether the watch goes on after a response.
@@ -250,15 +278,32 @@ impl WatchLoop<'_> {
                 continue;
             };
             let received = match self.send_commands(s, &mut canceling) {
-                Ok(()) => s.recv(Instant::now() + POLL, &self.stop, || {
+                Ok(()) => s.recv(Instant::now() + AUTO_PROGRESS, &self.stop, || {
                     !self.commands.is_empty()
                 }),
                 Err(e) => Err(e),
             };
             match received {
                 Ok(Received::Message(resp)) => {
+                    *self.heard.lock() = Instant::now();
                     if let Next::End = self.handle(resp, canceling) {
                         return;
+                    }
+                }
+                Ok(Received::Nothing) if self.stop.is_stopped() => return,
+                Ok(Received::Nothing) if self.commands.is_empty() => {
+                    // Idle: ask etcd to show it is there (the answer keeps
+                    // `is_fresh` true; a stream that cannot send breaks).
+                    let mut req = pb::WatchRequest::new();
+                    req.set_progress_request(pb::WatchProgressRequest::new());
+                    let deadline = Instant::now() + self.inner.call_timeout;
+                    if let Err(e) = s.send(req, deadline, &self.stop) {
+                        log::warn!(
+                            "etcd watch: progress request failed, reopening from revision {}: {}",
+                            self.spec.next_revision,
+                            crate::error_chain(&e)
+                        );
+                        stream = None;
                     }
                 }
                 Ok(Received::Nothing) => {}
@@ -275,11 +320,18 @@ impl WatchLoop<'_> {
         }
     }
 
-    fn send_commands(&self, s: &mut WatchStream, canceling: &mut bool) -> Result<(), EtcdError> {
+    fn send_commands(
+        &mut self,
+        s: &mut WatchStream,
+        canceling: &mut bool,
+    ) -> Result<(), EtcdError> {
         while let Ok(cmd) = self.commands.try_recv() {
             let mut req = pb::WatchRequest::new();
             match cmd {
-                Command::Progress => req.set_progress_request(pb::WatchProgressRequest::new()),
+                Command::Progress => {
+                    self.asked_progress += 1;
+                    req.set_progress_request(pb::WatchProgressRequest::new())
+                }
                 Command::Cancel => {
                     let mut c = pb::WatchCancelRequest::new();
                     c.watch_id = self.watch_id;
@@ -303,6 +355,10 @@ impl WatchLoop<'_> {
             return Next::Continue;
         }
         if resp.events.is_empty() {
+            if self.asked_progress == 0 {
+                return Next::Continue;
+            }
+            self.asked_progress -= 1;
             let revision = resp.header.revision;
             return self.deliver(WatchEvent::Progress { revision });
         }
