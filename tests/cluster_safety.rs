@@ -25,6 +25,7 @@ mod common;
 mod etcd_support;
 
 use std::path::Path;
+use std::time::Duration;
 
 use agent_support::*;
 use cluster_controller_support::*;
@@ -398,4 +399,38 @@ fn a_forwarded_call_outlasting_its_wait_is_reported_in_progress_and_cleaned_up()
     });
     assert!(h.agent.log().contains("removed the finished call"));
     assert!(c.keys("controller-call-locks/").is_empty());
+}
+
+// ---- 7. A release waiting for etcd ---------------------------------------------
+
+/// A release cut off from etcd does its node side at once and retries
+/// freeing the claim with a growing backoff; when etcd answers again it
+/// frees the claim at once, not at its next backoff step (issue 22,
+/// defect 15: 28 s later in one run).
+#[test]
+fn a_release_waiting_for_etcd_frees_its_claim_as_soon_as_etcd_answers() {
+    let c = Cluster::start(vec![nfs_node("a").proxied()]);
+    c.add_volume(&volume());
+    let a = c.node("a");
+    a.mount_ok("p1", "data=v");
+    a.cut();
+    a.agent.cli(&["alloc", "release", "p1"]).ok();
+    // Seven failed attempts: the next step is 32 s (±25 %) away.
+    wait_until(RETRY_TIMEOUT, "seven failed attempts to free p1", || {
+        let log = a.agent.log();
+        let failed = log
+            .lines()
+            .filter(|l| l.contains("release of p1/data:") && l.ends_with("(retrying)"));
+        failed.count() >= 7
+    });
+    assert_eq!(c.holders("v"), ["p1"]);
+    a.heal();
+    // Well before the next step (at least 24 s away): freed once the node
+    // registered again (its own retries are 2 s apart at most).
+    wait_until(
+        Duration::from_secs(20),
+        "p1 freed as soon as etcd answers",
+        || c.holders("v").is_empty(),
+    );
+    wait_until(SHOW_TIMEOUT, "a to drop p1", || a.no_allocs());
 }
