@@ -88,6 +88,14 @@ fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
             .contains("volume v stays claimed by unreachable node a")
     });
     assert_eq!(c.holders("v"), ["p1"]);
+    // claim list shows it held by an unreachable node, and what frees it.
+    assert_eq!(b.claims("v")[0]["holder_unreachable"], true);
+    let text = b.agent.cli(&["claim", "list"]).ok().stdout;
+    assert!(text.contains("a (unreachable)"), "{text}");
+    assert!(
+        text.contains("claimd volume detach v --node a --reason"),
+        "{text}"
+    );
     assert_ne!(b.volume_status("q1")["phase"], "published");
     assert!(b.calls_of(NP).is_empty(), "{:?}", b.calls_of(NP));
     assert!(c.keys("freed/").is_empty());

@@ -381,6 +381,14 @@ impl grpc::Claimd for Service {
                 .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)
                 .map(claim_to_wire)
                 .collect();
+            // One liveness read per holder node (cluster mode only).
+            let mut alive = std::collections::BTreeMap::new();
+            for c in &mut r.claims {
+                let node_alive = *alive
+                    .entry(c.node.clone())
+                    .or_insert_with(|| s.lifecycle.node_alive(&c.node).ok().flatten());
+                c.holder_unreachable = node_alive == Some(false);
+            }
             Ok(r)
         });
     }

@@ -233,6 +233,11 @@ impl Lifecycle {
             .map_err(NodeDetachError::Attach)
     }
 
+    /// Cluster mode: whether `node`'s liveness key exists; None on one node.
+    pub fn node_alive(&self, node: &str) -> Result<Option<bool>, crate::claims::ClaimError> {
+        self.core.claims.node_alive(node)
+    }
+
     /// Every claim of the claim store (and a line per stored value that is
     /// not one), or why it cannot tell now.
     pub fn try_list_claims(&self) -> Result<(Vec<Claim>, Vec<String>), crate::claims::ClaimError> {

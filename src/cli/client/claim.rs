@@ -43,7 +43,8 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
                        "mode": x.mode, "access_mode": x.access_mode, "state": x.state,
                        "external_node_id": x.external_node_id,
                        "since_ms": (x.since_ms > 0).then_some(x.since_ms),
-                       "last_error": (!x.last_error.is_empty()).then_some(&x.last_error)})
+                       "last_error": (!x.last_error.is_empty()).then_some(&x.last_error),
+                       "holder_unreachable": x.holder_unreachable})
             })
             .collect();
         println!("{}", json!({ "claims": list, "problems": r.problems }));
@@ -63,7 +64,11 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
         rows.push(vec![
             x.volume_id.clone(),
             x.alloc_id.clone(),
-            x.node.clone(),
+            if x.holder_unreachable {
+                format!("{} (unreachable)", x.node)
+            } else {
+                x.node.clone()
+            },
             x.mode.clone(),
             x.access_mode.clone(),
             x.state.clone(),
@@ -72,6 +77,12 @@ pub(super) fn claim_list(c: &Call) -> Result<(), CliError> {
         ]);
     }
     print_table(&rows);
+    for x in r.claims.iter().filter(|x| x.holder_unreachable) {
+        println!(
+            "volume {} is held by allocation {} on unreachable node {}: it stays claimed until that node comes back or is fenced; once the node is known to be down for good, `claimd volume detach {} --node {} --reason TEXT` frees it",
+            x.volume_id, x.alloc_id, x.node, x.volume_id, x.node
+        );
+    }
     problems()
 }
 

@@ -194,9 +194,13 @@ mode (read or write), access mode, state (taken; releasing while its
 allocation is being released; node-detached once the node side is done
 and the controller detach is being retried), since when it is held
 (cluster mode) and the holder's last error (why it cannot let go yet).
---json adds external_node_id, since_ms and last_error. On one node these are this agent's claims;
-in cluster mode (a `cluster` section in the config) they are every node's,
-read from etcd, and the command fails (exit 1) when etcd cannot be reached.
+--json adds external_node_id, since_ms, last_error and holder_unreachable.
+On one node these are this agent's claims; in cluster mode (a `cluster`
+section in the config) they are every node's, read from etcd, and the
+command fails (exit 1) when etcd cannot be reached. A claim whose node has
+no liveness key shows NODE as `N (unreachable)`, followed by a line that
+says it stays claimed and which command frees it once that node is known
+to be down for good.
 
 OPTIONS:
     --volume VOLUME   only the claims on VOLUME; also --volume=VOLUME
