@@ -15,6 +15,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod csi;
+pub mod docker;
 pub mod etcd;
 pub mod failpoints;
 pub mod ids;
