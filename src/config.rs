@@ -153,14 +153,16 @@ pub struct DockerConfig {
     pub driver: String,
     /// Default `/run/docker/plugins/<driver>.sock`, where Docker looks.
     pub socket: PathBuf,
-    /// How long a Mount may take (a held claim, a plugin not ready) before
-    /// it is given up and answered with what it waited on; below Docker's
-    /// own 2-minute request timeout.
+    /// How long a Mount may wait (a held claim, a plugin) before it is
+    /// given up; below Docker's own 2-minute request timeout.
     pub mount_timeout: Duration,
+    /// Period of the check for mounts no container uses (README).
+    pub unused_check_interval: Duration,
 }
 
 pub const DEFAULT_DOCKER_DRIVER: &str = "claimd";
 pub const DEFAULT_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(100);
+pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
 
 impl Default for Config {
     fn default() -> Self {
@@ -208,6 +210,7 @@ struct RawDocker {
     driver: Option<String>,
     socket: Option<PathBuf>,
     mount_timeout: Option<String>,
+    unused_check_interval: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -508,6 +511,11 @@ impl Config {
                         "docker.mount_timeout",
                         d.mount_timeout,
                         DEFAULT_DOCKER_MOUNT_TIMEOUT,
+                    )?,
+                    unused_check_interval: dur(
+                        "docker.unused_check_interval",
+                        d.unused_check_interval,
+                        DEFAULT_DOCKER_UNUSED_CHECK,
                     )?,
                     driver,
                 })

@@ -38,6 +38,11 @@ impl World {
     /// The agent serving driver `claimd-<name>-<pid>`, and the test
     /// plugin with volume `ext-db` (and `ext-other`).
     fn new(name: &str) -> World {
+        World::with(name, json!({}))
+    }
+
+    /// The same, with more fields in the agent's `docker` section.
+    fn with(name: &str, docker: Value) -> World {
         ensure_engines();
         let dir = TestDir::new();
         let plugin = TestPlugin::builder(dir.path())
@@ -45,9 +50,9 @@ impl World {
             .start();
         let driver = format!("claimd-{name}-{}", std::process::id());
         let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
-        config
-            .extra
-            .push(("docker".into(), json!({ "driver": driver })));
+        let mut section = docker;
+        section["driver"] = json!(driver);
+        config.extra.push(("docker".into(), section));
         let agent = Agent::start(dir.path(), config);
         let w = World {
             agent,
@@ -98,6 +103,15 @@ impl World {
         args.extend(more);
         args.push(name);
         args
+    }
+}
+
+impl Drop for World {
+    /// The agent is killed after this: its socket would stay behind in
+    /// Docker's plugin directory.
+    fn drop(&mut self) {
+        self.agent.kill();
+        let _ = fs::remove_file(self.socket());
     }
 }
 
@@ -298,7 +312,10 @@ fn bad_options_and_unknown_names_give_clear_errors_and_change_nothing() {
     assert!(w.volumes().is_empty(), "{:?}", w.volumes());
     assert!(w.claims().is_empty());
     assert!(w.calls().is_empty());
-    assert_eq!(d.docker(&["volume", "ls", "-q"]).ok().stdout.trim(), "");
+    // (Docker lists every driver in its plugin directory: other tests' too.)
+    let mine = format!("driver={}", w.driver);
+    let listed = d.docker(&["volume", "ls", "-q", "--filter", &mine]).ok();
+    assert_eq!(listed.stdout.trim(), "");
 
     // A name claimd knows already: Docker finds it through Get and uses
     // it as registered, without a Create (so its options are not
@@ -447,4 +464,69 @@ fn the_protocol_answers_as_the_engines_expect_and_mount_and_unmount_are_idempote
     );
     ok("/VolumeDriver.Remove", json!({"Name": "db"}));
     assert!(w.volumes().is_empty());
+}
+
+#[test]
+fn a_container_start_waiting_for_a_held_claim_fails_naming_the_holder_and_leaves_nothing() {
+    let w = World::with("held", json!({"mount_timeout": "2s"}));
+    let d = Dockerd::start(w.dir.path());
+    d.docker(&w.create_args(&[], "db")).ok();
+    w.agent
+        .cli(&["alloc", "mount", "web-1", "--volume", "data=db"])
+        .ok();
+    let out = d.run_with(&w.driver, "db", "true").failed();
+    assert!(
+        out.text().contains(
+            "volume db was not mounted within 2s: volume db is claimed for writing by allocation web-1 on node node-1"
+        ),
+        "{}",
+        out.text()
+    );
+    // The mount given up holds nothing.
+    wait_until(CLEANUP_TIMEOUT, "the given-up mount to be gone", || {
+        w.agent.state_allocs().len() == 1
+    });
+    let claims = w.claims();
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    assert_eq!(claims[0]["alloc_id"], "web-1");
+    w.agent
+        .cli(&["alloc", "release", "web-1", "--wait", "30s"])
+        .ok();
+    d.run_with(&w.driver, "db", "echo mine > /data/f").ok();
+    assert_eq!(fs::read_to_string(w.file("f")).expect("written"), "mine\n");
+}
+
+#[test]
+fn an_engine_killed_without_unmount_has_its_claim_released_once_no_container_uses_it() {
+    let w = World::with("dead", json!({"unused_check_interval": "1s"}));
+    let mut d = Dockerd::start(w.dir.path());
+    d.docker(&w.create_args(&[], "db")).ok();
+    d.start_container("c0", &w.driver, "db", "echo up > /data/up; exec sleep 1000")
+        .ok();
+    wait_until(CLEANUP_TIMEOUT, "the container to start", || {
+        w.file("up").exists()
+    });
+    let pid: u32 = d
+        .docker(&["inspect", "-f", "{{.State.Pid}}", "c0"])
+        .ok()
+        .stdout
+        .trim()
+        .parse()
+        .expect("the container's pid");
+    // Not before: while the container runs, checks pass and keep it.
+    let rounds = |w: &World| w.agent.log().matches("1 in use by a container").count();
+    wait_until(Duration::from_secs(30), "three checks", || rounds(&w) >= 3);
+    assert_eq!(w.calls(), [CP, NS, NP]);
+    assert_eq!(w.claims().len(), 1);
+
+    // The engine dies and takes its container with it: no Unmount comes.
+    d.kill_daemon();
+    send_signal(pid, libc::SIGKILL);
+    let calls = w.wait_calls(6, "the unused mount to be released");
+    assert_eq!(calls, ONE_CONTAINER);
+    assert!(w.claims().is_empty());
+    assert!(w
+        .agent
+        .log()
+        .contains("no container uses the mount of allocation docker-"));
 }

@@ -3,7 +3,8 @@
 //! requests and answers on the wire (`protocol`), what `Create`'s options
 //! mean (`options`), and each request turned into calls of the same
 //! [`Lifecycle`](crate::lifecycle::Lifecycle) facade the local API uses
-//! (`driver`). No lifecycle logic lives here.
+//! (`driver`), and the engine-death rule (`unused`: mounts no container
+//! uses any more are released). No lifecycle logic lives here.
 //!
 //! One allocation per mount ID: `Mount {Name, ID}` mounts volume `Name`
 //! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), so each
@@ -17,6 +18,7 @@ mod driver;
 mod options;
 mod protocol;
 mod server;
+mod unused;
 
 use std::fmt;
 use std::path::PathBuf;

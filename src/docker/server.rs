@@ -27,7 +27,7 @@ const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Listens on the configured socket (replacing a stale one; refusing one
 /// that a live process answers on) and serves it on thread `docker-plugin`
-/// until the stop.
+/// until the stop; starts the engine-death rule (thread `docker-unused`).
 pub fn start(
     config: &DockerConfig,
     lifecycle: Lifecycle,
@@ -42,6 +42,13 @@ pub fn start(
             path: socket.clone(),
             reason: e.to_string(),
         })?;
+    super::unused::start(
+        lifecycle.clone(),
+        config.unused_check_interval,
+        threads,
+        stop.clone(),
+    )
+    .map_err(DockerError::Thread)?;
     let driver = Driver {
         lifecycle,
         cluster,

@@ -246,6 +246,11 @@ impl Dockerd {
         self.docker(&args)
     }
 
+    /// SIGKILL to dockerd, as a crash (its containers' shims stay).
+    pub fn kill_daemon(&mut self) {
+        self.process.kill();
+    }
+
     pub fn log_text(&self) -> String {
         read_log(&self.log)
     }
@@ -268,6 +273,8 @@ impl Drop for Dockerd {
             }
         }
         self.process.kill();
+        // A daemon that was killed leaves its containers' shims behind.
+        kill_processes_naming(&self.dir);
         if std::thread::panicking() {
             eprintln!("---- dockerd log ----\n{}", self.log_text());
         }
@@ -374,4 +381,22 @@ pub fn post(socket: &Path, path: &str, body: &serde_json::Value) -> (u16, serde_
         .unwrap_or_else(|| panic!("no body: {answer:?}"));
     let json = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json:?}"));
     (code, json)
+}
+
+/// SIGKILL to every process whose command line names `dir` (what a daemon
+/// started there and left behind).
+pub fn kill_processes_naming(dir: &Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&needle) && pid != std::process::id() {
+            send_signal(pid, libc::SIGKILL);
+        }
+    }
 }
