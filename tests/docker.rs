@@ -10,6 +10,7 @@
 mod agent_support;
 mod common;
 mod docker_support;
+mod etcd_support;
 
 use std::fs;
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ use std::time::Duration;
 use agent_support::*;
 use common::*;
 use docker_support::*;
+use etcd_support::Etcd;
 use serde_json::{json, Value};
 
 /// How long the engine's cleanup of a stopped container (its Unmount, and
@@ -529,4 +531,117 @@ fn an_engine_killed_without_unmount_has_its_claim_released_once_no_container_use
         .agent
         .log()
         .contains("no container uses the mount of allocation docker-"));
+}
+
+/// Cluster mode: one node's agent, plugin (no controller) and dockerd.
+/// Field order is drop order: the engine's cleanup reaches the agent.
+struct DockerNode {
+    docker: Dockerd,
+    agent: Agent,
+    plugin: TestPlugin,
+    driver: String,
+    _socket: SocketFile,
+}
+
+/// Removes the agent's plugin socket from Docker's directory on drop.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+impl DockerNode {
+    fn start(dir: &std::path::Path, name: &str, endpoints: &[String]) -> DockerNode {
+        let ndir = dir.join(name);
+        let plugin = TestPlugin::builder(&ndir)
+            .no_controller()
+            .node_id(&format!("ext-{name}"))
+            .volumes(&["ext-db"])
+            .start();
+        let driver = format!("claimd-cl{name}-{}", std::process::id());
+        let mut config =
+            AgentConfig::new(&ndir, Some(&plugin.socket)).cluster_node(name, endpoints);
+        config.extra.push((
+            "docker".into(),
+            json!({"driver": driver, "mount_timeout": "3s"}),
+        ));
+        let agent = Agent::start_with(&ndir, "agent", config, false, &[]);
+        let docker = Dockerd::start(&ndir);
+        DockerNode {
+            docker,
+            agent,
+            plugin,
+            _socket: SocketFile(format!("/run/docker/plugins/{driver}.sock").into()),
+            driver,
+        }
+    }
+
+    fn claims(&self) -> Vec<Value> {
+        let out = self.agent.cli(&["claim", "list", "--json"]).ok().json();
+        out["claims"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+#[test]
+fn cluster_mode_a_second_nodes_container_fails_naming_the_holder_then_starts_once_it_stops() {
+    let etcd = Etcd::start();
+    let dir = TestDir::new();
+    let endpoints = vec![etcd.endpoint()];
+    let n1 = DockerNode::start(dir.path(), "n1", &endpoints);
+    let n2 = DockerNode::start(dir.path(), "n2", &endpoints);
+    n1.docker
+        .docker(&[
+            "volume",
+            "create",
+            "--driver",
+            &n1.driver,
+            "--opt",
+            "plugin_id=testplug",
+            "--opt",
+            "external_id=ext-db",
+            "--opt",
+            "access_modes=multi-node-single-writer",
+            "db",
+        ])
+        .ok();
+    let scope = n1
+        .docker
+        .docker(&["volume", "inspect", "db", "--format", "{{.Scope}}"])
+        .ok();
+    assert_eq!(scope.stdout.trim(), "global");
+    n1.docker
+        .start_container("c1", &n1.driver, "db", "echo n1 > /data/f; exec sleep 1000")
+        .ok();
+    wait_until(CLEANUP_TIMEOUT, "n1's container", || {
+        n1.plugin.volume_dir("ext-db").join("f").exists()
+    });
+
+    // n2 knows the volume from the cluster's registrations (no options),
+    // and its container cannot start while n1's writes.
+    let out = n2.docker.run_with(&n2.driver, "db", "true").failed();
+    let text = out.text();
+    assert!(
+        text.contains("volume db was not mounted within 3s: volume db is claimed for writing by allocation docker-")
+            && text.contains("on node n1"),
+        "{text}"
+    );
+    assert_eq!(n2.claims().len(), 1, "only n1's claim: {:?}", n2.claims());
+    assert!(volume_methods(&n2.plugin.call_log()).is_empty());
+
+    n1.docker.docker(&["rm", "-f", "c1"]).ok();
+    wait_until(CLEANUP_TIMEOUT, "n1's claim to be freed", || {
+        n2.claims().is_empty()
+    });
+    n2.docker
+        .run_with(&n2.driver, "db", "echo n2 > /data/f")
+        .ok();
+    assert_eq!(
+        fs::read_to_string(n2.plugin.volume_dir("ext-db").join("f")).expect("written on n2"),
+        "n2\n"
+    );
+    wait_until(CLEANUP_TIMEOUT, "n2's claim to be freed", || {
+        n2.claims().is_empty()
+    });
 }
