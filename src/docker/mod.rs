@@ -96,3 +96,54 @@ impl std::error::Error for DockerError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use crate::config::Config;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(Path::new("/etc/claimd/config.json"), text)
+            .map_err(|e| crate::error_chain(&e))
+    }
+
+    #[test]
+    fn the_docker_section_of_the_config() {
+        assert_eq!(parse("{}").expect("valid").docker, None);
+        let d = parse(r#"{"docker": {}}"#)
+            .expect("valid")
+            .docker
+            .expect("a docker section");
+        assert_eq!(d.driver, "claimd");
+        assert_eq!(d.socket, Path::new("/run/docker/plugins/claimd.sock"));
+        assert_eq!(d.mount_timeout, Duration::from_secs(100));
+        assert_eq!(d.unused_check_interval, Duration::from_secs(30));
+        let d = parse(
+            r#"{"docker": {"driver": "csi", "socket": "/run/claimd/docker.sock",
+                "mount_timeout": "20s", "unused_check_interval": "5s"}}"#,
+        )
+        .expect("valid")
+        .docker
+        .expect("a docker section");
+        assert_eq!(d.socket, Path::new("/run/claimd/docker.sock"));
+        assert_eq!(d.mount_timeout, Duration::from_secs(20));
+        assert_eq!(d.unused_check_interval, Duration::from_secs(5));
+        for (text, needle) in [
+            (r#"{"docker": {"driver": "a/b"}}"#, "field docker.driver"),
+            (
+                r#"{"docker": {"socket": "rel.sock"}}"#,
+                "field docker.socket",
+            ),
+            (
+                r#"{"docker": {"mount_timeout": "0s"}}"#,
+                "field docker.mount_timeout",
+            ),
+            (r#"{"docker": {"bogus": 1}}"#, "bogus"),
+        ] {
+            let e = parse(text).expect_err(text);
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+}
