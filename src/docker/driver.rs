@@ -26,8 +26,10 @@ const GIVE_UP_WAIT: Duration = Duration::from_secs(10);
 
 /// The allocation of one mount: `docker-<ID>-<volume>`. The engine's ID is
 /// letters and digits only (Docker: 64 hex digits per mount; Podman: the
-/// container's ID), so no ID reaches outside its directory; the result is
-/// checked as every allocation ID is.
+/// container's ID), so no ID reaches outside its directory, and the result
+/// is checked as every allocation ID is. A volume name too long for the
+/// 128 bytes of an allocation ID is cut, and a hash of the whole name
+/// (FNV-1a, 64 bits) keeps the cut names apart.
 pub fn alloc_id(volume: &str, mount_id: &str) -> Result<String, DriverError> {
     let bad = |problem: &str| DriverError::MountId {
         id: mount_id.chars().take(80).collect(),
@@ -39,9 +41,23 @@ pub fn alloc_id(volume: &str, mount_id: &str) -> Result<String, DriverError> {
     if !mount_id.bytes().all(|b| b.is_ascii_alphanumeric()) {
         return Err(bad("may only contain letters and digits"));
     }
-    let id = format!("{ALLOC_PREFIX}{mount_id}-{volume}");
+    crate::ids::check_id("volume", volume).map_err(|e| DriverError::Invalid(e.to_string()))?;
+    let mut id = format!("{ALLOC_PREFIX}{mount_id}-{volume}");
+    if id.len() > crate::ids::MAX_ID_LEN {
+        let hash = volume.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let keep = crate::ids::MAX_ID_LEN - (ALLOC_PREFIX.len() + mount_id.len() + 2 + 16);
+        // IDs are ASCII: any byte is a character boundary.
+        id = format!("{ALLOC_PREFIX}{mount_id}-{}-{hash:016x}", &volume[..keep]);
+    }
     crate::ids::check_id("allocation", &id).map_err(|e| DriverError::Invalid(e.to_string()))?;
     Ok(id)
+}
+
+/// The engine's mount ID of one of our allocation IDs.
+fn mount_id_of(alloc_id: &str) -> Option<&str> {
+    alloc_id.strip_prefix(ALLOC_PREFIX)?.split('-').next()
 }
 
 /// A request that failed; its message goes into the answer's `Err`.
@@ -349,11 +365,7 @@ impl Driver {
     fn mounts(&self, name: &str) -> Vec<Mount> {
         let mut out = Vec::new();
         for a in self.lifecycle.list_allocs() {
-            let Some(mount_id) =
-                a.id.strip_prefix(ALLOC_PREFIX)
-                    .and_then(|r| r.strip_suffix(name))
-                    .and_then(|r| r.strip_suffix('-'))
-            else {
+            let Some(mount_id) = mount_id_of(&a.id) else {
                 continue;
             };
             for v in &a.volumes {
@@ -432,8 +444,15 @@ mod tests {
         for bad in ["", "../x", "a/b", "a.b", &"a".repeat(65)] {
             assert!(alloc_id("db", bad).is_err(), "{bad:?}");
         }
-        // Too long together: refused as any allocation ID would be.
-        let e = alloc_id(&"v".repeat(100), &id).expect_err("too long");
-        assert!(e.to_string().contains("longer than 128"), "{e}");
+        // Too long together: the name is cut and hashed.
+        let (long_a, long_b) = ("v".repeat(100) + "a", "v".repeat(100) + "b");
+        let (a, b) = (
+            alloc_id(&long_a, &id).expect("valid"),
+            alloc_id(&long_b, &id).expect("valid"),
+        );
+        assert_eq!(a.len(), 128);
+        assert_ne!(a, b);
+        assert_eq!(mount_id_of(&a), Some(id.as_str()));
+        assert_eq!(alloc_id(&long_a, &id).expect("valid"), a, "stable");
     }
 }
