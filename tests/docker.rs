@@ -645,3 +645,26 @@ fn cluster_mode_a_second_nodes_container_fails_naming_the_holder_then_starts_onc
         n2.claims().is_empty()
     });
 }
+
+#[test]
+fn a_volume_with_only_reader_modes_is_claimed_and_published_read_only() {
+    let w = World::new("ro");
+    let d = Dockerd::start(w.dir.path());
+    fs::write(w.file("seed"), "seeded\n").expect("seed the volume");
+    d.docker(&w.create_args(&["--opt", "access_modes=multi-node-reader-only"], "ro"))
+        .ok();
+    let out = d
+        .run_with(&w.driver, "ro", "cat /data/seed; echo x > /data/new")
+        .failed();
+    assert!(out.stdout.contains("seeded"), "{}", out.text());
+    assert!(
+        out.text().contains("Read-only file system"),
+        "{}",
+        out.text()
+    );
+    assert!(!w.file("new").exists());
+    let calls = w.wait_calls(6, "the container's Unmount");
+    assert_eq!(calls, ONE_CONTAINER);
+    let publish = w.plugin.call_log().calls_of(NP);
+    assert_eq!(publish[0]["readonly"], true, "{publish:?}");
+}
