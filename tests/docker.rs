@@ -668,3 +668,53 @@ fn a_volume_with_only_reader_modes_is_claimed_and_published_read_only() {
     let publish = w.plugin.call_log().calls_of(NP);
     assert_eq!(publish[0]["readonly"], true, "{publish:?}");
 }
+
+#[test]
+fn a_volume_without_external_id_is_created_through_the_controller_with_secrets_from_a_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new("create");
+    let d = Dockerd::start(w.dir.path());
+    let secrets = w.dir.path().join("secrets.json");
+    fs::write(&secrets, r#"{"token": "t0ken-s3cret"}"#).expect("write the secrets");
+    fs::set_permissions(&secrets, fs::Permissions::from_mode(0o600)).expect("chmod 0600");
+    let file_opt = format!("secrets_file={}", secrets.display());
+    d.docker(&[
+        "volume",
+        "create",
+        "--driver",
+        &w.driver,
+        "--opt",
+        "plugin_id=testplug",
+        "--opt",
+        "size=1M",
+        "--opt",
+        "parameters.tier=fast",
+        "--opt",
+        &file_opt,
+        "fresh",
+    ])
+    .ok();
+    let creates = w.plugin.call_log().calls_of("CreateVolume");
+    assert_eq!(creates.len(), 1, "{creates:?}");
+    assert_eq!(creates[0]["required_bytes"], 1_048_576);
+    assert_eq!(creates[0]["secret_keys"], json!(["token"]));
+    let vols = w.volumes();
+    assert_eq!(vols[0]["id"], "fresh");
+    assert_eq!(vols[0]["capacity_bytes"], 1_048_576);
+    assert_eq!(vols[0]["secret_keys"], json!(["token"]));
+    // The options Docker shows name the file, never the secret.
+    let inspect = d.docker(&["volume", "inspect", "fresh"]).ok();
+    assert!(!inspect.stdout.contains("s3cret"), "{}", inspect.stdout);
+
+    d.run_with(&w.driver, "fresh", "echo new > /data/f").ok();
+    let f = w.plugin.volume_dir("fresh").join("f");
+    assert_eq!(fs::read_to_string(&f).expect("written"), "new\n");
+    // Remove deregisters; deleting the storage stays `claimd volume delete`.
+    let calls = w.wait_calls(7, "the container's Unmount");
+    assert_eq!(calls[0], "CreateVolume");
+    assert_eq!(calls[1..], ONE_CONTAINER);
+    d.docker(&["volume", "rm", "fresh"]).ok();
+    assert!(w.volumes().is_empty());
+    assert!(w.plugin.call_log().calls_of("DeleteVolume").is_empty());
+    assert!(f.exists());
+}
