@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use crate::etcd::endpoint::Scheme;
 
+pub mod docker;
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
 pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
@@ -142,27 +143,8 @@ pub struct Config {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// How often each published volume's usage is polled.
     pub volume_stats_interval: Duration,
-    /// The Docker volume plugin protocol (Docker, Podman); None: not served.
-    pub docker: Option<DockerConfig>,
+    pub docker: Option<docker::DockerConfig>,
 }
-
-/// The `docker` section: where the volume plugin protocol is served.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DockerConfig {
-    /// The driver name (`docker run --volume-driver NAME`).
-    pub driver: String,
-    /// Default `/run/docker/plugins/<driver>.sock`, where Docker looks.
-    pub socket: PathBuf,
-    /// How long a Mount may wait (a held claim, a plugin) before it is
-    /// given up; below Docker's own 2-minute request timeout.
-    pub mount_timeout: Duration,
-    /// Period of the check for mounts no container uses (README).
-    pub unused_check_interval: Duration,
-}
-
-pub const DEFAULT_DOCKER_DRIVER: &str = "claimd";
-pub const DEFAULT_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(100);
-pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
 
 impl Default for Config {
     fn default() -> Self {
@@ -201,16 +183,7 @@ struct RawConfig {
     metrics_listen: Option<String>,
     volume_stats_interval: Option<String>,
     cluster: Option<RawCluster>,
-    docker: Option<RawDocker>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawDocker {
-    driver: Option<String>,
-    socket: Option<PathBuf>,
-    mount_timeout: Option<String>,
-    unused_check_interval: Option<String>,
+    docker: Option<docker::RawDocker>,
 }
 
 #[derive(Deserialize)]
@@ -496,31 +469,6 @@ impl Config {
             raw.volume_stats_interval,
             DEFAULT_VOLUME_STATS_INTERVAL,
         )?;
-        let docker = match raw.docker {
-            None => None,
-            Some(d) => {
-                let driver = d
-                    .driver
-                    .unwrap_or_else(|| DEFAULT_DOCKER_DRIVER.to_string());
-                crate::ids::check_id("driver", &driver)
-                    .map_err(|e| field_err("docker.driver", e.to_string()))?;
-                let default_socket = format!("/run/docker/plugins/{driver}.sock");
-                Some(DockerConfig {
-                    socket: abs("docker.socket", d.socket, &default_socket)?,
-                    mount_timeout: dur(
-                        "docker.mount_timeout",
-                        d.mount_timeout,
-                        DEFAULT_DOCKER_MOUNT_TIMEOUT,
-                    )?,
-                    unused_check_interval: dur(
-                        "docker.unused_check_interval",
-                        d.unused_check_interval,
-                        DEFAULT_DOCKER_UNUSED_CHECK,
-                    )?,
-                    driver,
-                })
-            }
-        };
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
         crate::ids::check_id("node", &node_name)
             .map_err(|e| field_err("node_name", e.to_string()))?;
@@ -534,7 +482,7 @@ impl Config {
             cluster,
             metrics_listen,
             volume_stats_interval,
-            docker,
+            docker: docker::parse(path, raw.docker)?,
             timeouts: Timeouts {
                 csi_call: dur(
                     "csi_call_timeout",

@@ -113,9 +113,9 @@ EXIT CODES:
         ttl = format_duration(config::DEFAULT_LEASE_TTL),
         etcd_call = format_duration(config::DEFAULT_ETCD_CALL_TIMEOUT),
         attach = format_duration(config::DEFAULT_ATTACH_TIMEOUT),
-        ddriver = config::DEFAULT_DOCKER_DRIVER,
-        dmount = format_duration(config::DEFAULT_DOCKER_MOUNT_TIMEOUT),
-        dunused = format_duration(config::DEFAULT_DOCKER_UNUSED_CHECK),
+        ddriver = config::docker::DEFAULT_DOCKER_DRIVER,
+        dmount = format_duration(config::docker::DEFAULT_DOCKER_MOUNT_TIMEOUT),
+        dunused = format_duration(config::docker::DEFAULT_DOCKER_UNUSED_CHECK),
     )
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::driver::Driver;
 use super::protocol::{self as p, Endpoint};
 use super::DockerError;
-use crate::config::DockerConfig;
+use crate::config::docker::DockerConfig;
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
