@@ -297,13 +297,26 @@ impl Driver {
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         let (lc, a) = (self.lifecycle.clone(), alloc.clone());
-        std::thread::Builder::new()
-            .name(format!("docker-mount-{name}"))
-            .spawn(move || {
-                let _ = tx.send(lc.mount(&a, &[req]));
-            })
-            .map_err(|e| DriverError::Invalid(format!("cannot start a mount thread: {e}")))?;
-        match rx.recv_timeout(self.mount_timeout) {
+        // The mount runs on its own thread so that this one can answer
+        // within the engine's patience; it is joined once it has answered.
+        let mut worker = Some(
+            std::thread::Builder::new()
+                .name(format!("docker-mount-{name}"))
+                .spawn(move || {
+                    let _ = tx.send(lc.mount(&a, &[req]));
+                })
+                .map_err(|e| DriverError::Invalid(format!("cannot start a mount thread: {e}")))?,
+        );
+        let mut join = || {
+            if let Some(w) = worker.take() {
+                let _ = w.join();
+            }
+        };
+        let answer = rx.recv_timeout(self.mount_timeout);
+        if answer.is_ok() {
+            join();
+        }
+        match answer {
             Ok(Ok(mounted)) => {
                 let path = mounted.into_iter().next().map(|m| m.host_path);
                 log::info!("volume {name} mounted for allocation {alloc}");
@@ -327,7 +340,12 @@ impl Driver {
                 self.lifecycle
                     .release(&alloc)
                     .map_err(DriverError::Release)?;
-                let _ = rx.recv_timeout(GIVE_UP_WAIT);
+                match rx.recv_timeout(GIVE_UP_WAIT) {
+                    Ok(_) => join(),
+                    Err(_) => log::warn!(
+                        "volume {name}: the mount of allocation {alloc} has not ended {GIVE_UP_WAIT:?} after it was given up; leaving its thread"
+                    ),
+                }
                 self.lifecycle.wait_released(&alloc, GIVE_UP_WAIT);
                 Err(DriverError::MountTimeout {
                     name: name.to_string(),

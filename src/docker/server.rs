@@ -145,7 +145,15 @@ fn answer(mut request: tiny_http::Request, endpoint: Option<Endpoint>, path: &st
         (Ok(_), Some(ep)) => d
             .handle(ep, &body)
             .map_err(|e| crate::error_chain(&e))
-            .inspect_err(|msg| log::warn!("Docker plugin {path}: {msg}")),
+            .inspect_err(|msg| {
+                // The engines ask Get before every Create: an unknown name
+                // there is the normal way in.
+                if ep == Endpoint::Get {
+                    log::debug!("Docker plugin {path}: {msg}");
+                } else {
+                    log::warn!("Docker plugin {path}: {msg}");
+                }
+            }),
     };
     let (code, value) = match result {
         Ok(v) => (200, v),
