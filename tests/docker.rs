@@ -500,7 +500,7 @@ fn a_container_start_waiting_for_a_held_claim_fails_naming_the_holder_and_leaves
 
 #[test]
 fn an_engine_killed_without_unmount_has_its_claim_released_once_no_container_uses_it() {
-    let w = World::with("dead", json!({"unused_check_interval": "1s"}));
+    let w = World::with("dead", json!({"unused_check_interval": "2s"}));
     let mut d = Dockerd::start(w.dir.path());
     d.docker(&w.create_args(&[], "db")).ok();
     d.start_container("c0", &w.driver, "db", "echo up > /data/up; exec sleep 1000")
