@@ -121,7 +121,7 @@ impl fmt::Display for DriverError {
                 after,
                 waiting,
             } => {
-                write!(f, "volume {name} was not mounted within {after:?}")?;
+                write!(f, "volume {name} was not mounted within {}", crate::config::format_duration(*after))?;
                 if !waiting.is_empty() {
                     write!(f, ": {waiting}")?;
                 }
