@@ -24,3 +24,11 @@ if [ -n "$etcd_bin" ]; then
 fi
 "$dir/claimd-bench" ${etcd_args[@]+"${etcd_args[@]}"} --agent "$target_dir/bench/claimd" --plugin "$dir/claimd-test-plugin" \
   --out "$target_dir/bench/results.json" "$@"
+# The container-start ratio: a claimd volume against a local one, on a
+# throwaway dockerd (needs docker.io and busybox-static).
+if command -v dockerd >/dev/null && [ -x /bin/busybox ]; then
+  bash packaging/bench-docker.sh "$target_dir/bench/claimd" "$dir/claimd-test-plugin" 20 \
+    "$target_dir/bench/docker.json"
+else
+  echo "bench: docker part skipped (apt-get install docker.io busybox-static)" >&2
+fi

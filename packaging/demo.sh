@@ -6,8 +6,13 @@
 #   release -> graceful stop.
 # The agent runs in --dev mode beside a real CSI plugin process (the test
 # plugin, which bind-mounts directories), on real mounts.
+# `demo.sh --docker` shows the same job with real containers instead
+# (packaging/demo-docker.sh). CLAIMD_BIN and PLUGIN_BIN use binaries built
+# already instead of building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+docker_demo=no
+[ "${1:-}" = --docker ] && docker_demo=yes
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "demo: run as root: claimd and its plugin mount for real" >&2
@@ -22,12 +27,13 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-echo "demo: building (the first build compiles gRPC's C core: a few minutes)"
-cargo build --locked --bin claimd --bin claimd-test-plugin 2>&1 | tail -1
-
 target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}")
-claimd=$target_dir/debug/claimd
-plugin_bin=$target_dir/debug/claimd-test-plugin
+claimd=${CLAIMD_BIN:-$target_dir/debug/claimd}
+plugin_bin=${PLUGIN_BIN:-$target_dir/debug/claimd-test-plugin}
+if [ -z "${CLAIMD_BIN:-}" ]; then
+  echo "demo: building (the first build compiles gRPC's C core: a few minutes)"
+  cargo build --locked --bin claimd --bin claimd-test-plugin 2>&1 | tail -1
+fi
 demo=$(mktemp -d /tmp/claimd-demo.XXXXXX)
 export TMPDIR=$demo # the --dev state lives in $TMPDIR/claimd-dev
 agent_pid="" plugin_pid=""
@@ -49,6 +55,11 @@ wait_for() { # SECONDS WHAT COMMAND...
   done
 }
 volume_calls() { jq -r 'select(.method | test("Volume$")) | .method' "$demo/plugin/calls.jsonl" 2>/dev/null | wc -l; }
+if [ "$docker_demo" = yes ]; then
+  # shellcheck source=packaging/demo-docker.sh
+  source packaging/demo-docker.sh
+  exit 0
+fi
 
 step "a CSI plugin (claimd-test-plugin) on $demo/plugin/csi.sock"
 mkdir -p "$demo/plugin"

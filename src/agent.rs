@@ -331,6 +331,22 @@ impl Agent {
                         .map_err(io_err("failed to start the metrics listener"))
                 }
                 None => Ok(()),
+            })
+            .and_then(|()| match &config.docker {
+                // The Docker plugin socket after the restore, so containers
+                // restarted at boot find their volumes mounted.
+                Some(d) => crate::docker::start(
+                    d,
+                    lifecycle.clone(),
+                    config.cluster.is_some(),
+                    &mut threads,
+                    shutdown.clone(),
+                )
+                .map_err(|e| AgentError::Io {
+                    what: "the Docker volume plugin cannot start".into(),
+                    source: std::io::Error::other(crate::error_chain(&e)),
+                }),
+                None => Ok(()),
             });
         if let Err(e) = started {
             return fail(e, threads);

@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use crate::etcd::endpoint::Scheme;
 
+pub mod docker;
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
 pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
@@ -150,6 +151,7 @@ pub struct Config {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// How often each published volume's usage is polled.
     pub volume_stats_interval: Duration,
+    pub docker: Option<docker::DockerConfig>,
 }
 
 impl Default for Config {
@@ -165,6 +167,7 @@ impl Default for Config {
             cluster: None,
             metrics_listen: None,
             volume_stats_interval: DEFAULT_VOLUME_STATS_INTERVAL,
+            docker: None,
         }
     }
 }
@@ -188,6 +191,7 @@ struct RawConfig {
     metrics_listen: Option<String>,
     volume_stats_interval: Option<String>,
     cluster: Option<RawCluster>,
+    docker: Option<docker::RawDocker>,
 }
 
 #[derive(Deserialize)]
@@ -524,6 +528,7 @@ impl Config {
             cluster,
             metrics_listen,
             volume_stats_interval,
+            docker: docker::parse(path, raw.docker)?,
             timeouts: Timeouts {
                 csi_call,
                 plugin_wait: dur(

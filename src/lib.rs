@@ -16,6 +16,7 @@ pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod csi;
+pub mod docker;
 pub mod etcd;
 pub mod failpoints;
 pub mod ids;

@@ -27,6 +27,12 @@ command -v findmnt >/dev/null || need+=(util-linux)
 [ -x /usr/bin/etcd ] || need+=(etcd-server)
 # promtool and prometheus: the metrics tests check the text and scrape it.
 command -v promtool >/dev/null || need+=(prometheus)
+# tests/docker.rs: real Docker and Podman (with runc), and busybox-static
+# for the image it imports.
+[ -x /usr/sbin/dockerd ] || need+=(docker.io)
+[ -x /usr/bin/podman ] || need+=(podman)
+[ -x /usr/sbin/runc ] || need+=(runc)
+dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]}"
   apt-get update -qq

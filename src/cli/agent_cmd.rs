@@ -67,6 +67,14 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
                             its lease is gone that long
       tls                   {{\"ca\", \"cert\", \"key\"}} PEM paths (builds
                             with the `tls` feature)
+    docker                  none (off). With it, the Docker volume plugin
+                            protocol is served for Docker and Podman:
+      driver                {ddriver}
+      socket                /run/docker/plugins/<driver>.sock
+      mount_timeout         {dmount} (a Mount waiting longer for a claim
+                            or a plugin fails, naming what it waited on)
+      unused_check_interval {dunused} (engine mounts no container uses
+                            at two checks in a row are released)
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
 
 SIGNALS:
@@ -105,6 +113,9 @@ EXIT CODES:
         ttl = format_duration(config::DEFAULT_LEASE_TTL),
         etcd_call = format_duration(config::DEFAULT_ETCD_CALL_TIMEOUT),
         attach = format_duration(config::DEFAULT_ATTACH_TIMEOUT),
+        ddriver = config::docker::DEFAULT_DOCKER_DRIVER,
+        dmount = format_duration(config::docker::DEFAULT_DOCKER_MOUNT_TIMEOUT),
+        dunused = format_duration(config::docker::DEFAULT_DOCKER_UNUSED_CHECK),
     )
 }
 

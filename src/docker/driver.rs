@@ -1,0 +1,476 @@
+//! Each request of the protocol as calls of the [`Lifecycle`] facade, the
+//! same calls the local API makes. The answer is JSON, or an error whose
+//! message the engine shows its user.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::options::{self, Definition, OptionError};
+use super::protocol::{self as p, Endpoint};
+use crate::lifecycle::{
+    Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
+};
+use crate::state::Phase;
+use crate::volumes::{VolumeRequest, VolumeSpec};
+
+/// Every allocation of a Docker or Podman mount starts with this.
+pub const ALLOC_PREFIX: &str = "docker-";
+/// The alias of the one volume of such an allocation.
+const ALIAS: &str = "volume";
+/// How long a Mount given up after `mount_timeout` waits for its rollback.
+const GIVE_UP_WAIT: Duration = Duration::from_secs(10);
+
+/// The allocation of one mount: `docker-<ID>-<volume>`. The engine's ID is
+/// letters and digits only (Docker: 64 hex digits per mount; Podman: the
+/// container's ID), so no ID reaches outside its directory, and the result
+/// is checked as every allocation ID is. A volume name too long for the
+/// 128 bytes of an allocation ID is cut, and a hash of the whole name
+/// (FNV-1a, 64 bits) keeps the cut names apart.
+pub fn alloc_id(volume: &str, mount_id: &str) -> Result<String, DriverError> {
+    let bad = |problem: &str| DriverError::MountId {
+        id: mount_id.chars().take(80).collect(),
+        problem: problem.to_string(),
+    };
+    if mount_id.is_empty() || mount_id.len() > 64 {
+        return Err(bad("must be 1 to 64 characters"));
+    }
+    if !mount_id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(bad("may only contain letters and digits"));
+    }
+    crate::ids::check_id("volume", volume).map_err(|e| DriverError::Invalid(e.to_string()))?;
+    let mut id = format!("{ALLOC_PREFIX}{mount_id}-{volume}");
+    if id.len() > crate::ids::MAX_ID_LEN {
+        let hash = volume.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let keep = crate::ids::MAX_ID_LEN - (ALLOC_PREFIX.len() + mount_id.len() + 2 + 16);
+        // IDs are ASCII: any byte is a character boundary.
+        id = format!("{ALLOC_PREFIX}{mount_id}-{}-{hash:016x}", &volume[..keep]);
+    }
+    crate::ids::check_id("allocation", &id).map_err(|e| DriverError::Invalid(e.to_string()))?;
+    Ok(id)
+}
+
+/// The engine's mount ID of one of our allocation IDs.
+fn mount_id_of(alloc_id: &str) -> Option<&str> {
+    alloc_id.strip_prefix(ALLOC_PREFIX)?.split('-').next()
+}
+
+/// A request that failed; its message goes into the answer's `Err`.
+#[derive(Debug)]
+pub enum DriverError {
+    Request(serde_json::Error),
+    UnknownEndpoint(String),
+    Invalid(String),
+    MountId {
+        id: String,
+        problem: String,
+    },
+    NotRegistered {
+        name: String,
+    },
+    Differs {
+        name: String,
+        differences: Vec<String>,
+    },
+    Options {
+        name: String,
+        source: OptionError,
+    },
+    Registry(VolumeRegistryError),
+    Create(VolumeOpError),
+    Mount(MountError),
+    MountTimeout {
+        name: String,
+        after: Duration,
+        waiting: String,
+    },
+    Release(ReleaseError),
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DriverError::Request(_) => f.write_str("the request is not valid JSON of the protocol"),
+            DriverError::UnknownEndpoint(path) => {
+                write!(f, "{path} is not an endpoint of the volume plugin protocol")
+            }
+            DriverError::Invalid(why) => f.write_str(why),
+            DriverError::MountId { id, problem } => {
+                write!(f, "the engine's mount ID {id:?} {problem}")
+            }
+            DriverError::NotRegistered { name } => write!(
+                f,
+                "volume {name} is not registered with claimd: create it with its definition (docker volume create --driver DRIVER --opt plugin_id=PLUGIN --opt external_id=ID {name}), or register it with `claimd volume register`"
+            ),
+            DriverError::Differs { name, differences } => write!(
+                f,
+                "volume {name} is registered with another definition: {}",
+                differences.join("; ")
+            ),
+            DriverError::Options { name, .. } => write!(f, "volume {name}"),
+            DriverError::Registry(e) => e.fmt(f),
+            DriverError::Create(e) => e.fmt(f),
+            DriverError::Mount(e) => e.fmt(f),
+            DriverError::MountTimeout {
+                name,
+                after,
+                waiting,
+            } => {
+                write!(f, "volume {name} was not mounted within {}", crate::config::format_duration(*after))?;
+                if !waiting.is_empty() {
+                    write!(f, ": {waiting}")?;
+                }
+                f.write_str("; nothing is left claimed, try again later")
+            }
+            DriverError::Release(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for DriverError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DriverError::Request(e) => Some(e),
+            DriverError::Options { source, .. } => Some(source),
+            DriverError::Registry(e) => e.source(),
+            DriverError::Create(e) => e.source(),
+            DriverError::Mount(e) => e.source(),
+            DriverError::Release(e) => e.source(),
+            _ => None,
+        }
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DriverError> {
+    p::parse(body).map_err(DriverError::Request)
+}
+
+/// The protocol's requests over one agent's lifecycle. Cheap to clone.
+#[derive(Clone)]
+pub struct Driver {
+    pub lifecycle: Lifecycle,
+    /// Cluster mode: volumes are `global` (seen by every node's engine).
+    pub cluster: bool,
+    pub mount_timeout: Duration,
+}
+
+impl Driver {
+    /// Answers one request.
+    pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Value, DriverError> {
+        match endpoint {
+            Endpoint::Activate => Ok(p::activate()),
+            Endpoint::Capabilities => Ok(json!({"Capabilities": {
+                "Scope": if self.cluster { "global" } else { "local" }
+            }})),
+            Endpoint::Create => {
+                let r: p::CreateRequest = parse(body)?;
+                self.create(&r.name, &r.opts.unwrap_or_default())?;
+                Ok(json!({}))
+            }
+            Endpoint::Remove => {
+                let r: p::NameRequest = parse(body)?;
+                self.remove(&r.name)?;
+                Ok(json!({}))
+            }
+            Endpoint::Mount => {
+                let r: p::MountRequest = parse(body)?;
+                let path = self.mount(&r.name, &r.id)?;
+                Ok(json!({ "Mountpoint": path.to_string_lossy() }))
+            }
+            Endpoint::Unmount => {
+                let r: p::MountRequest = parse(body)?;
+                self.unmount(&r.name, &r.id)?;
+                Ok(json!({}))
+            }
+            Endpoint::Path => {
+                let r: p::NameRequest = parse(body)?;
+                self.check_name(&r.name)?;
+                let path = self.mounts(&r.name).into_iter().next().map(|m| m.path);
+                Ok(json!({ "Mountpoint": path.unwrap_or_default().to_string_lossy() }))
+            }
+            Endpoint::Get => {
+                let r: p::NameRequest = parse(body)?;
+                let spec = self
+                    .registered(&r.name)?
+                    .ok_or(DriverError::NotRegistered {
+                        name: r.name.clone(),
+                    })?;
+                Ok(json!({ "Volume": self.show(&spec, true) }))
+            }
+            Endpoint::List => {
+                let vols = self
+                    .lifecycle
+                    .list_volumes()
+                    .map_err(DriverError::Registry)?;
+                let list: Vec<Value> = vols.iter().map(|s| self.show(s, false)).collect();
+                Ok(json!({ "Volumes": list }))
+            }
+        }
+    }
+
+    fn check_name(&self, name: &str) -> Result<(), DriverError> {
+        crate::ids::check_id("volume", name).map_err(|e| DriverError::Invalid(e.to_string()))
+    }
+
+    /// The registration of `name` (in cluster mode, the cluster's).
+    fn registered(&self, name: &str) -> Result<Option<VolumeSpec>, DriverError> {
+        self.check_name(name)?;
+        let vols = self
+            .lifecycle
+            .list_volumes()
+            .map_err(DriverError::Registry)?;
+        Ok(vols.into_iter().find(|v| v.id == name))
+    }
+
+    fn create(&self, name: &str, opts: &BTreeMap<String, String>) -> Result<(), DriverError> {
+        self.check_name(name)?;
+        let def = options::parse(name, opts).map_err(|source| DriverError::Options {
+            name: name.to_string(),
+            source,
+        })?;
+        if let Some(have) = self.registered(name)? {
+            let differences = options::differences(&def, &have);
+            if !differences.is_empty() {
+                return Err(DriverError::Differs {
+                    name: name.to_string(),
+                    differences,
+                });
+            }
+            return Ok(());
+        }
+        let warnings = match def {
+            Definition::Refer => {
+                return Err(DriverError::NotRegistered {
+                    name: name.to_string(),
+                })
+            }
+            Definition::Register(spec) => self
+                .lifecycle
+                .register_volume(spec)
+                .map_err(DriverError::Registry)?,
+            Definition::Create(c) => {
+                self.lifecycle
+                    .create_volume(&c)
+                    .map_err(DriverError::Create)?
+                    .1
+            }
+        };
+        log::info!("volume {name} registered through the Docker plugin protocol");
+        for w in warnings {
+            log::warn!("{w}");
+        }
+        Ok(())
+    }
+
+    fn remove(&self, name: &str) -> Result<(), DriverError> {
+        let found = self
+            .lifecycle
+            .deregister_volume(name)
+            .map_err(DriverError::Registry)?;
+        if found {
+            log::info!("volume {name} deregistered through the Docker plugin protocol");
+        }
+        Ok(())
+    }
+
+    fn mount(&self, name: &str, mount_id: &str) -> Result<PathBuf, DriverError> {
+        let spec = self.registered(name)?.ok_or(DriverError::NotRegistered {
+            name: name.to_string(),
+        })?;
+        let alloc = alloc_id(name, mount_id)?;
+        // The engines bind read-only themselves and do not say so: a
+        // volume claims read-only when it has no writable access mode.
+        let read_only = spec.access_modes.iter().all(|m| m.reader_only());
+        let req = VolumeRequest {
+            alias: ALIAS.to_string(),
+            volume_id: name.to_string(),
+            read_only,
+            access_mode: None,
+            attachment: None,
+            mount_flags: Vec::new(),
+            mount_group: String::new(),
+        };
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (lc, a) = (self.lifecycle.clone(), alloc.clone());
+        // The mount runs on its own thread so that this one can answer
+        // within the engine's patience; it is joined once it has answered.
+        let mut worker = Some(
+            std::thread::Builder::new()
+                .name(format!("docker-mount-{name}"))
+                .spawn(move || {
+                    let _ = tx.send(lc.mount(&a, &[req]));
+                })
+                .map_err(|e| DriverError::Invalid(format!("cannot start a mount thread: {e}")))?,
+        );
+        let mut join = || {
+            if let Some(w) = worker.take() {
+                let _ = w.join();
+            }
+        };
+        let answer = rx.recv_timeout(self.mount_timeout);
+        if answer.is_ok() {
+            join();
+        }
+        match answer {
+            Ok(Ok(mounted)) => {
+                let path = mounted.into_iter().next().map(|m| m.host_path);
+                log::info!("volume {name} mounted for allocation {alloc}");
+                path.ok_or_else(|| DriverError::Invalid("the mount answered no path".into()))
+            }
+            Ok(Err(e)) => Err(DriverError::Mount(e)),
+            Err(_) => {
+                // Past the engine's patience: give the mount up (a release
+                // of its allocation ends a wait for a claim or a plugin)
+                // rather than leave a claim no container will unmount.
+                let waiting = self
+                    .lifecycle
+                    .alloc_status(&alloc)
+                    .and_then(|s| s.volumes.into_iter().next())
+                    .map(|v| v.message)
+                    .unwrap_or_default();
+                log::warn!(
+                    "volume {name}: mount for allocation {alloc} not done within {:?} ({waiting}); giving it up",
+                    self.mount_timeout
+                );
+                self.lifecycle
+                    .release(&alloc)
+                    .map_err(DriverError::Release)?;
+                match rx.recv_timeout(GIVE_UP_WAIT) {
+                    Ok(_) => join(),
+                    Err(_) => log::warn!(
+                        "volume {name}: the mount of allocation {alloc} has not ended {GIVE_UP_WAIT:?} after it was given up; leaving its thread"
+                    ),
+                }
+                self.lifecycle.wait_released(&alloc, GIVE_UP_WAIT);
+                Err(DriverError::MountTimeout {
+                    name: name.to_string(),
+                    after: self.mount_timeout,
+                    waiting,
+                })
+            }
+        }
+    }
+
+    fn unmount(&self, name: &str, mount_id: &str) -> Result<(), DriverError> {
+        self.check_name(name)?;
+        let alloc = alloc_id(name, mount_id)?;
+        match self
+            .lifecycle
+            .release(&alloc)
+            .map_err(DriverError::Release)?
+        {
+            ReleaseStart::NotFound => Ok(()),
+            ReleaseStart::Started => {
+                // The release goes on (and is retried) in the agent whether
+                // or not it ends in time; the engine is answered either way.
+                if !self.lifecycle.wait_released(&alloc, self.mount_timeout) {
+                    log::warn!(
+                        "volume {name}: release of allocation {alloc} still running after {:?}",
+                        self.mount_timeout
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// This node's mounts of `name` by the engines.
+    fn mounts(&self, name: &str) -> Vec<Mount> {
+        let mut out = Vec::new();
+        for a in self.lifecycle.list_allocs() {
+            let Some(mount_id) = mount_id_of(&a.id) else {
+                continue;
+            };
+            for v in &a.volumes {
+                if v.volume_id == name && v.phase == Some(Phase::Published) {
+                    out.push(Mount {
+                        alloc_id: a.id.clone(),
+                        mount_id: mount_id.to_string(),
+                        path: v.host_path.clone(),
+                        read_only: v.read_only,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// A volume for `Get` (with its claims and mounts as `Status`) and
+    /// `List`.
+    fn show(&self, spec: &VolumeSpec, status: bool) -> Value {
+        let mounts = self.mounts(&spec.id);
+        let mountpoint = mounts
+            .first()
+            .map(|m| m.path.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !status {
+            return p::volume(&spec.id, &mountpoint, None);
+        }
+        let claims: Vec<Value> = match self.lifecycle.try_list_claims() {
+            Ok((claims, _)) => claims
+                .iter()
+                .filter(|c| c.volume_id == spec.id)
+                .map(|c| {
+                    json!({"allocation": c.alloc_id, "node": c.node, "mode": c.mode.name(),
+                           "access_mode": c.access_mode.name(), "state": c.state})
+                })
+                .collect(),
+            Err(e) => vec![json!({ "error": crate::error_chain(&e) })],
+        };
+        let mounts: Vec<Value> = mounts
+            .iter()
+            .map(|m| {
+                json!({"allocation": m.alloc_id, "mount_id": m.mount_id,
+                       "path": m.path, "read_only": m.read_only})
+            })
+            .collect();
+        let status = json!({
+            "plugin_id": spec.plugin_id,
+            "external_id": spec.external_id,
+            "access_modes": spec.access_modes,
+            "plugin_health": self.lifecycle.plugin_health(&spec.plugin_id),
+            "claims": claims,
+            "mounts": mounts,
+        });
+        p::volume(&spec.id, &mountpoint, Some(status))
+    }
+}
+
+struct Mount {
+    alloc_id: String,
+    mount_id: String,
+    path: PathBuf,
+    read_only: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_ids_come_from_the_volume_and_the_mount_id() {
+        let id = "a".repeat(64);
+        assert_eq!(
+            alloc_id("db", &id).expect("valid"),
+            format!("docker-{id}-db")
+        );
+        for bad in ["", "../x", "a/b", "a.b", &"a".repeat(65)] {
+            assert!(alloc_id("db", bad).is_err(), "{bad:?}");
+        }
+        // Too long together: the name is cut and hashed.
+        let (long_a, long_b) = ("v".repeat(100) + "a", "v".repeat(100) + "b");
+        let (a, b) = (
+            alloc_id(&long_a, &id).expect("valid"),
+            alloc_id(&long_b, &id).expect("valid"),
+        );
+        assert_eq!(a.len(), 128);
+        assert_ne!(a, b);
+        assert_eq!(mount_id_of(&a), Some(id.as_str()));
+        assert_eq!(alloc_id(&long_a, &id).expect("valid"), a, "stable");
+    }
+}

@@ -1,0 +1,98 @@
+//! The Docker volume plugin protocol, which Docker and Podman both speak:
+//! HTTP/1.1 POST with JSON bodies on a unix socket (`server`), the
+//! requests and answers on the wire (`protocol`), what `Create`'s options
+//! mean (`options`), and each request turned into calls of the same
+//! [`Lifecycle`](crate::lifecycle::Lifecycle) facade the local API uses
+//! (`driver`), and the engine-death rule (`unused`: mounts no container
+//! uses any more are released). No lifecycle logic lives here.
+//!
+//! One allocation per mount ID: `Mount {Name, ID}` mounts volume `Name`
+//! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), so each
+//! container holds its own claim and its own target path, and the
+//! volume's staging is shared on the node as for any two allocations.
+//! `Unmount` releases that allocation. The access modes therefore read
+//! per container: a single-writer volume admits one writing container,
+//! `single-node-multi-writer` several on one node.
+
+mod driver;
+mod options;
+mod protocol;
+mod server;
+mod unused;
+
+use std::fmt;
+use std::path::PathBuf;
+
+pub use driver::{alloc_id, Driver, ALLOC_PREFIX};
+pub use options::{Definition, OptionError};
+pub use server::start;
+
+/// Why the protocol cannot be served.
+#[derive(Debug)]
+pub enum DockerError {
+    Dir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    InUse {
+        path: PathBuf,
+    },
+    RemoveStale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Serve {
+        path: PathBuf,
+        reason: String,
+    },
+    Thread(std::io::Error),
+}
+
+impl fmt::Display for DockerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DockerError::Dir { path, .. } => write!(
+                f,
+                "failed to create the Docker plugin socket directory {}",
+                path.display()
+            ),
+            DockerError::InUse { path } => write!(
+                f,
+                "another process already serves the Docker plugin socket {}",
+                path.display()
+            ),
+            DockerError::RemoveStale { path, .. } => write!(
+                f,
+                "failed to remove the stale Docker plugin socket {}",
+                path.display()
+            ),
+            DockerError::Bind { path, .. } => write!(
+                f,
+                "failed to listen on the Docker plugin socket {}",
+                path.display()
+            ),
+            DockerError::Serve { path, reason } => write!(
+                f,
+                "failed to serve the Docker plugin socket {}: {reason}",
+                path.display()
+            ),
+            DockerError::Thread(_) => f.write_str("failed to start the Docker plugin thread"),
+        }
+    }
+}
+
+impl std::error::Error for DockerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DockerError::Dir { source, .. }
+            | DockerError::RemoveStale { source, .. }
+            | DockerError::Bind { source, .. } => Some(source),
+            DockerError::Thread(source) => Some(source),
+            DockerError::InUse { .. } | DockerError::Serve { .. } => None,
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The protocol's HTTP server: tiny_http on a unix socket (mode 0600; the
+//! engines run as root), one thread `docker-plugin` taking requests, and
+//! every request on its own named thread (`docker-<endpoint>`), so a Mount
+//! waiting for a claim never holds up a List. Failures are answered with
+//! HTTP 500 and `{"Err": "..."}`: Docker reads `Err` from any answer,
+//! Podman only from one that is not 200.
+
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::driver::Driver;
+use super::protocol::{self as p, Endpoint};
+use super::DockerError;
+use crate::config::docker::DockerConfig;
+use crate::lifecycle::Lifecycle;
+use crate::shutdown::Shutdown;
+use crate::threads::Threads;
+
+/// How often the request loop looks at the stop flag.
+const RECV_POLL: Duration = Duration::from_millis(200);
+/// How long request threads may take to end after the stop (their waits
+/// for claims and plugins end with the agent's stop).
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// Listens on the configured socket (replacing a stale one; refusing one
+/// that a live process answers on) and serves it on thread `docker-plugin`
+/// until the stop; starts the engine-death rule (thread `docker-unused`).
+pub fn start(
+    config: &DockerConfig,
+    lifecycle: Lifecycle,
+    cluster: bool,
+    threads: &mut Threads,
+    stop: Shutdown,
+) -> Result<(), DockerError> {
+    let socket = config.socket.clone();
+    let listener = bind(&socket)?;
+    let server =
+        tiny_http::Server::from_listener(listener, None).map_err(|e| DockerError::Serve {
+            path: socket.clone(),
+            reason: e.to_string(),
+        })?;
+    super::unused::start(
+        lifecycle.clone(),
+        config.unused_check_interval,
+        threads,
+        stop.clone(),
+    )
+    .map_err(DockerError::Thread)?;
+    let driver = Driver {
+        lifecycle,
+        cluster,
+        mount_timeout: config.mount_timeout,
+    };
+    log::info!(
+        "Docker volume plugin {} listening on {}",
+        config.driver,
+        socket.display()
+    );
+    threads
+        .spawn("docker-plugin", move || serve(server, driver, stop))
+        .map_err(DockerError::Thread)
+}
+
+fn bind(socket: &Path) -> Result<UnixListener, DockerError> {
+    if let Some(dir) = socket.parent() {
+        // Docker's own plugin directory is 0755.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(|source| DockerError::Dir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+    }
+    if socket.exists() {
+        if UnixStream::connect(socket).is_ok() {
+            return Err(DockerError::InUse {
+                path: socket.to_path_buf(),
+            });
+        }
+        log::info!("removing stale Docker plugin socket {}", socket.display());
+        std::fs::remove_file(socket).map_err(|source| DockerError::RemoveStale {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+    }
+    // Connecting needs write permission on the socket, which the umask
+    // leaves to the owner (root) at most; 0600 makes it certain.
+    let listener = UnixListener::bind(socket).map_err(|source| DockerError::Bind {
+        path: socket.to_path_buf(),
+        source,
+    })?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
+        DockerError::Bind {
+            path: socket.to_path_buf(),
+            source,
+        }
+    })?;
+    Ok(listener)
+}
+
+fn serve(server: tiny_http::Server, driver: Driver, stop: Shutdown) {
+    let mut requests = Threads::new();
+    while !stop.is_triggered() {
+        let request = match server.recv_timeout(RECV_POLL) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => {
+                log::warn!("Docker plugin socket: {e}");
+                stop.sleep(RECV_POLL);
+                continue;
+            }
+        };
+        let path = request.url().split('?').next().unwrap_or("").to_string();
+        let endpoint = Endpoint::from_path(&path);
+        let d = driver.clone();
+        let name = format!("docker-{}", endpoint.map_or("unknown", Endpoint::name));
+        if let Err(e) = requests.spawn(name, move || answer(request, endpoint, &path, &d)) {
+            log::error!("cannot start a Docker plugin request thread: {e}");
+        }
+    }
+    // Dropping the server closes the socket and removes its file.
+    drop(server);
+    let left = requests.join_until(Instant::now() + STOP_WAIT);
+    if !left.is_empty() {
+        log::warn!("Docker plugin requests still running: {}", left.join(", "));
+    }
+}
+
+fn answer(mut request: tiny_http::Request, endpoint: Option<Endpoint>, path: &str, d: &Driver) {
+    let mut body = Vec::new();
+    let read = request
+        .as_reader()
+        .take(p::MAX_BODY_BYTES)
+        .read_to_end(&mut body);
+    let result = match (read, endpoint) {
+        (Err(e), _) => Err(format!("cannot read the request: {e}")),
+        (Ok(_), None) => Err(format!(
+            "{path} is not an endpoint of the volume plugin protocol"
+        )),
+        (Ok(_), Some(ep)) => d
+            .handle(ep, &body)
+            .map_err(|e| crate::error_chain(&e))
+            .inspect_err(|msg| {
+                // The engines ask Get before every Create: an unknown name
+                // there is the normal way in.
+                if ep == Endpoint::Get {
+                    log::debug!("Docker plugin {path}: {msg}");
+                } else {
+                    log::warn!("Docker plugin {path}: {msg}");
+                }
+            }),
+    };
+    let (code, value) = match result {
+        Ok(v) => (200, v),
+        Err(msg) => (500, p::error(&msg)),
+    };
+    let header = tiny_http::Header::from_bytes("Content-Type", p::CONTENT_TYPE)
+        .expect("a constant, valid header");
+    let response = tiny_http::Response::from_string(value.to_string())
+        .with_status_code(code)
+        .with_header(header);
+    if let Err(e) = request.respond(response) {
+        log::debug!("Docker plugin {path}: the answer was not delivered: {e}");
+    }
+}
