@@ -240,7 +240,11 @@ pub fn check_overlaps(
             if from > to {
                 continue;
             }
-            let (old, new) = if x.from_ms <= y.from_ms { (x, y) } else { (y, x) };
+            let (old, new) = if x.from_ms <= y.from_ms {
+                (x, y)
+            } else {
+                (y, x)
+            };
             let fenced = fences.iter().any(|(vol, node, ts)| {
                 *vol == format!("ext-{}", x.volume)
                     && *node == format!("ext-{}", old.node)
@@ -309,7 +313,9 @@ pub fn check_end_state(end: &EndState) -> Vec<Violation> {
             Some((n, _)) if n == node => {}
             Some((n, _)) => out.push(v(
                 3,
-                format!("{vol} is mounted for {alloc} on node {node}, but its claim names node {n}"),
+                format!(
+                    "{vol} is mounted for {alloc} on node {node}, but its claim names node {n}"
+                ),
             )),
             None => out.push(v(
                 3,
@@ -321,7 +327,11 @@ pub fn check_end_state(end: &EndState) -> Vec<Violation> {
         }
     }
     for (node, vol) in &end.stagings {
-        if !end.claims.iter().any(|((cv, _), (n, _))| cv == vol && n == node) {
+        if !end
+            .claims
+            .iter()
+            .any(|((cv, _), (n, _))| cv == vol && n == node)
+        {
             out.push(v(
                 3,
                 format!("{vol} is staged on node {node} without any claim of that node"),
@@ -415,7 +425,10 @@ pub fn check_allocs(
             }
             (Release::Undelivered, _) => out.push(v(
                 4,
-                format!("{} on node {}: its release never reached the agent", a.id, a.node),
+                format!(
+                    "{} on node {}: its release never reached the agent",
+                    a.id, a.node
+                ),
             )),
             _ => {
                 if !nothing {
@@ -463,7 +476,11 @@ mod tests {
             source: "mount table",
         };
         let sw: BTreeSet<String> = ["v".to_string()].into();
-        let ivs = [iv("a", "a1", 0, 100), iv("b", "b1", 50, 200), iv("c", "c1", 201, 300)];
+        let ivs = [
+            iv("a", "a1", 0, 100),
+            iv("b", "b1", 50, 200),
+            iv("c", "c1", 201, 300),
+        ];
         let mut fenced = 0;
         assert_eq!(check_overlaps(&sw, &ivs, &[], &mut fenced).len(), 1);
         let fence = [("ext-v".to_string(), "ext-a".to_string(), 40)];

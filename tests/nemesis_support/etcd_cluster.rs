@@ -47,7 +47,7 @@ pub struct Member {
 }
 
 impl Member {
-    fn log_path(&self) -> PathBuf {
+    pub fn log_path(&self) -> PathBuf {
         self.dir.join("etcd.log")
     }
 
@@ -125,8 +125,7 @@ impl Member {
     /// `GET /metrics` on the client port, `None` if it does not answer
     /// within a second.
     fn metrics(&self) -> Option<String> {
-        let mut s =
-            TcpStream::connect_timeout(&self.client_addr(), Duration::from_secs(1)).ok()?;
+        let mut s = TcpStream::connect_timeout(&self.client_addr(), Duration::from_secs(1)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
         s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
             .ok()?;
@@ -180,12 +179,11 @@ impl EtcdCluster {
             let peer_port = free_port();
             let iso = isolated.clone();
             // Into member i: held while i is cut, and from a cut member.
-            let policy: Policy = Arc::new(move |_, tag| {
-                match &*iso.lock().expect("isolation lock") {
+            let policy: Policy =
+                Arc::new(move |_, tag| match &*iso.lock().expect("isolation lock") {
                     Some((j, id)) => *j == i || tag == Some(id.as_str()),
                     None => false,
-                }
-            });
+                });
             let peer_proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], peer_port)), policy);
             members.push(Member {
                 name: name.to_string(),
@@ -280,11 +278,20 @@ impl EtcdCluster {
 
     /// The member that says it leads, if one answers so.
     pub fn leader(&self) -> Option<usize> {
-        self.members.iter().position(|m| {
-            m.is_running()
-                && m.metrics()
-                    .is_some_and(|t| t.lines().any(|l| l.trim() == "etcd_server_is_leader 1"))
-        })
+        self.leaders().first().copied()
+    }
+
+    /// Every member that says it leads (two while a cut-off old leader has
+    /// not noticed yet).
+    pub fn leaders(&self) -> Vec<usize> {
+        (0..self.members.len())
+            .filter(|&i| {
+                let m = &self.members[i];
+                m.is_running()
+                    && m.metrics()
+                        .is_some_and(|t| t.lines().any(|l| l.trim() == "etcd_server_is_leader 1"))
+            })
+            .collect()
     }
 
     pub fn kill(&mut self, i: usize) {

@@ -67,6 +67,21 @@ fn restart_agent(n: &mut Node) {
     n.agent.wait_listening();
 }
 
+/// Restarts (and reports) every agent that exited on its own.
+pub fn revive_crashed(shared: &Shared, nodes: &mut [Node]) {
+    for n in nodes.iter_mut() {
+        if n.agent_exited() {
+            let tail = n.revive();
+            let text = format!(
+                "the agent of node {} exited on its own; its log ended: {tail}",
+                n.name
+            );
+            shared.event(json!({"kind": "crash", "node": n.name, "text": text}));
+            shared.crashes.lock().expect("crashes lock").push(text);
+        }
+    }
+}
+
 /// Injects faults until `deadline`; every fault is undone before the next
 /// one and before this returns.
 pub fn run(
@@ -86,6 +101,7 @@ pub fn run(
         let (d1, d2) = (rng.next_u64(), rng.next_u64());
         let pick = |lo: u64, hi: u64, r: u64| lo + r % (hi - lo + 1);
         hold(gap);
+        revive_crashed(shared, nodes);
         if Instant::now() >= deadline {
             return;
         }
@@ -151,6 +167,12 @@ pub fn run(
                 ev["held_ms"] = json!(held);
                 etcd.isolate(mi);
                 hold(held);
+                let names = |l: Vec<usize>| -> Vec<String> {
+                    l.into_iter()
+                        .map(|i| etcd.members[i].name.clone())
+                        .collect()
+                };
+                ev["leaders_before_heal"] = json!(names(etcd.leaders()));
                 etcd.heal();
             }
             Kind::LeaderKill => {

@@ -113,6 +113,31 @@ impl Node {
     pub fn pid(&self) -> Option<u32> {
         self.agent.pid()
     }
+
+    /// Whether the agent process exited (or died) without the harness
+    /// killing it: gone, or a zombie nobody reaped yet.
+    pub fn agent_exited(&self) -> bool {
+        let Some(pid) = self.agent.pid() else {
+            return false;
+        };
+        match fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|s| s == "Z" || s == "X"),
+        }
+    }
+
+    /// Restarts an agent that exited on its own; its log's tail, to report.
+    pub fn revive(&mut self) -> String {
+        let log = self.agent.log();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        self.agent.kill();
+        self.agent.spawn();
+        self.agent.wait_listening();
+        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
 }
 
 /// The members in the order node `i` lists them: its own member first.

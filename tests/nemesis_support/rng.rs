@@ -60,7 +60,10 @@ fn the_same_seed_gives_the_same_stream() {
     let xs: Vec<u64> = (0..8).map(|_| a.next_u64()).collect();
     let ys: Vec<u64> = (0..8).map(|_| b.next_u64()).collect();
     assert_eq!(xs, ys);
-    assert_ne!(Rng::new(7).fork(1).next_u64(), Rng::new(7).fork(2).next_u64());
+    assert_ne!(
+        Rng::new(7).fork(1).next_u64(),
+        Rng::new(7).fork(2).next_u64()
+    );
     let mut r = Rng::new(1);
     assert!((0..1000).all(|_| (3..=5).contains(&r.range(3, 5))));
 }

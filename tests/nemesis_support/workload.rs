@@ -53,7 +53,9 @@ pub struct VolSpec {
 pub enum Release {
     NotAsked,
     /// Asked; `done`: the command said every volume was released.
-    Asked { done: bool },
+    Asked {
+        done: bool,
+    },
     /// The agent could not be reached to ask; retried.
     Undelivered,
 }
@@ -93,6 +95,8 @@ pub struct Shared {
     pub lingering: Mutex<Vec<Writer>>,
     /// Releases (index into `allocs`) no agent took yet.
     pub undelivered: Mutex<Vec<usize>>,
+    /// Agents that exited without being killed.
+    pub crashes: Mutex<Vec<String>>,
 }
 
 impl Shared {
@@ -212,21 +216,37 @@ pub fn release(shared: &Shared, node: &str, alloc: &str, vol: &str, wait: bool) 
         args.extend(["--wait", "20s"]);
     }
     let out = cli(socket, &args, CLI_DEADLINE);
-    op_event(shared, if wait { "release" } else { "release-abandoned" }, node, alloc, vol, start, &out);
+    op_event(
+        shared,
+        if wait { "release" } else { "release-abandoned" },
+        node,
+        alloc,
+        vol,
+        start,
+        &out,
+    );
     match (out.code, out.json()) {
         (Some(0), Some(j)) => Release::Asked {
             done: j["done"] == true,
         },
         // Exit 1 with an answer: asked, not finished within the wait.
         (Some(1), Some(j)) if j["alloc_id"] == alloc => Release::Asked { done: false },
-        (Some(1), _) if wait && out.stderr.contains("not finished") => Release::Asked { done: false },
+        (Some(1), _) if wait && out.stderr.contains("not finished") => {
+            Release::Asked { done: false }
+        }
         _ => Release::Undelivered,
     }
 }
 
 /// One workload client: `mine` are its holdings (index into
 /// `shared.allocs`, writer).
-pub fn client(shared: &Arc<Shared>, k: usize, mut rng: Rng, volumes: &[VolSpec], deadline: Instant) {
+pub fn client(
+    shared: &Arc<Shared>,
+    k: usize,
+    mut rng: Rng,
+    volumes: &[VolSpec],
+    deadline: Instant,
+) {
     let mut mine: Vec<(usize, Option<Writer>)> = Vec::new();
     let mut undelivered: Vec<usize> = Vec::new();
     let mut n = 0;
@@ -254,7 +274,16 @@ pub fn client(shared: &Arc<Shared>, k: usize, mut rng: Rng, volumes: &[VolSpec],
             let start = shared.since_ms();
             let out = cli(
                 &shared.sockets[ni],
-                &["alloc", "mount", &alloc, "--volume", &spec, "--json", "--timeout", "10s"],
+                &[
+                    "alloc",
+                    "mount",
+                    &alloc,
+                    "--volume",
+                    &spec,
+                    "--json",
+                    "--timeout",
+                    "10s",
+                ],
                 CLI_DEADLINE,
             );
             op_event(shared, "mount", &node, &alloc, &vol.id, start, &out);
@@ -282,7 +311,9 @@ pub fn client(shared: &Arc<Shared>, k: usize, mut rng: Rng, volumes: &[VolSpec],
                 allocs.len() - 1
             };
             if acked {
-                let w = vol.rw.then(|| Writer::start(shared, &a, Duration::from_millis(period)));
+                let w = vol
+                    .rw
+                    .then(|| Writer::start(shared, &a, Duration::from_millis(period)));
                 mine.push((idx, w));
             } else {
                 // The orchestrator gives up on it: release what the agent
@@ -310,11 +341,7 @@ pub fn client(shared: &Arc<Shared>, k: usize, mut rng: Rng, volumes: &[VolSpec],
     // Holdings stay (their writers too) for the end-state checks.
     for (_, w) in mine {
         if let Some(w) = w {
-            shared
-                .lingering
-                .lock()
-                .expect("lingering lock")
-                .push(w);
+            shared.lingering.lock().expect("lingering lock").push(w);
         }
     }
     for i in undelivered {
@@ -344,7 +371,11 @@ pub struct Seen {
 
 /// Samples /proc/self/mountinfo until `stop`: the targets under each
 /// node's `per-alloc` directory.
-pub fn sample_mounts(roots: &[(String, PathBuf)], stop: &AtomicBool, period: Duration) -> Vec<Seen> {
+pub fn sample_mounts(
+    roots: &[(String, PathBuf)],
+    stop: &AtomicBool,
+    period: Duration,
+) -> Vec<Seen> {
     let mut open: HashMap<(String, String, String), Seen> = HashMap::new();
     let mut done = Vec::new();
     while !stop.load(Ordering::SeqCst) {
@@ -375,7 +406,11 @@ pub fn sample_mounts(roots: &[(String, PathBuf)], stop: &AtomicBool, period: Dur
                     last_ms: now,
                 });
         }
-        let gone: Vec<_> = open.keys().filter(|k| !present.contains(*k)).cloned().collect();
+        let gone: Vec<_> = open
+            .keys()
+            .filter(|k| !present.contains(*k))
+            .cloned()
+            .collect();
         for k in gone {
             done.push(open.remove(&k).expect("an open interval"));
         }
