@@ -420,8 +420,12 @@ fn nemesis() {
         n.link.heal();
         n.plugin.faults().clear();
         if n.agent.pid().is_none() {
-            n.agent.spawn();
-            n.agent.wait_listening();
+            if let Err(e) = n.start_again() {
+                shared.crashes.lock().expect("lock").push(e);
+            }
+        }
+        if let Err(e) = n.wait_listening() {
+            shared.crashes.lock().expect("lock").push(e);
         }
     }
     for p in &shared.writers_paused {

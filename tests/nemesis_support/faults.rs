@@ -61,10 +61,16 @@ fn hold(ms: u64) {
     thread::sleep(Duration::from_millis(ms));
 }
 
-fn restart_agent(n: &mut Node) {
-    n.agent.kill();
-    n.agent.spawn();
-    n.agent.wait_listening();
+/// Starts a killed agent again; records how long it took to listen, or
+/// that it did not.
+fn start_agent(shared: &Shared, n: &mut Node, ev: &mut serde_json::Value) {
+    match n.start_again() {
+        Ok(d) => ev["listening_after_ms"] = json!(d.as_millis()),
+        Err(e) => {
+            ev["error"] = json!(e);
+            shared.crashes.lock().expect("crashes lock").push(e);
+        }
+    }
 }
 
 /// Restarts (and reports) every agent that exited on its own.
@@ -115,8 +121,7 @@ pub fn run(
                 ev["down_ms"] = json!(down);
                 nodes[ni].agent.kill();
                 hold(down);
-                nodes[ni].agent.spawn();
-                nodes[ni].agent.wait_listening();
+                start_agent(shared, &mut nodes[ni], &mut ev);
             }
             Kind::AgentStop | Kind::AgentStopWithWorkload => {
                 let with = kind == Kind::AgentStopWithWorkload;
@@ -156,7 +161,8 @@ pub fn run(
                 ev["after_restart_ms"] = json!(after);
                 nodes[ni].link.cut(Cut::Both);
                 hold(before);
-                restart_agent(&mut nodes[ni]);
+                nodes[ni].agent.kill();
+                start_agent(shared, &mut nodes[ni], &mut ev);
                 hold(after);
                 nodes[ni].link.heal();
             }

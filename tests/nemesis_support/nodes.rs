@@ -22,6 +22,9 @@ pub const PREFIX: &str = "/claimd";
 /// Longest the harness waits for an agent or plugin to show a state it
 /// reaches at once (the machine is shared and loaded).
 pub const SHOW_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest an agent may take from its start to listening (its restore
+/// holds the API while a restored mount waits for its claim).
+pub const RESTART_TIMEOUT: Duration = Duration::from_secs(180);
 
 pub fn ext(node: &str) -> String {
     format!("ext-{node}")
@@ -135,8 +138,38 @@ impl Node {
         let tail: Vec<&str> = log.lines().rev().take(5).collect();
         self.agent.kill();
         self.agent.spawn();
-        self.agent.wait_listening();
+        let _ = self.wait_listening();
         tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
+    /// Starts the (killed) agent again; how long it took to listen.
+    pub fn start_again(&mut self) -> Result<Duration, String> {
+        self.agent.spawn();
+        self.wait_listening()
+    }
+
+    /// Waits until the agent's API socket accepts a connection (a restore
+    /// holds the API: this can take long), bounded by `RESTART_TIMEOUT`.
+    pub fn wait_listening(&self) -> Result<Duration, String> {
+        let start = Instant::now();
+        loop {
+            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+                return Ok(start.elapsed());
+            }
+            if self.agent_exited() {
+                return Err(format!(
+                    "the agent of node {} exited before listening",
+                    self.name
+                ));
+            }
+            if start.elapsed() > RESTART_TIMEOUT {
+                return Err(format!(
+                    "the agent of node {} did not listen within {RESTART_TIMEOUT:?} of its start",
+                    self.name
+                ));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
