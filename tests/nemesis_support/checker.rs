@@ -487,4 +487,35 @@ mod tests {
         assert!(check_overlaps(&sw, &ivs, &fence, &mut fenced).is_empty());
         assert_eq!(fenced, 1);
     }
+
+    #[test]
+    fn a_mount_without_a_claim_and_a_claim_without_a_record_are_found() {
+        let k = |a: &str, b: &str| (a.to_string(), b.to_string());
+        let mut end = EndState::default();
+        end.claims.insert(k("v", "x1"), k("a", "taken"));
+        end.records
+            .insert(("a".into(), "x1".into(), "v".into()), "published".into());
+        end.targets.insert(("a".into(), "x1".into(), "v".into()));
+        end.stagings.insert(k("a", "v"));
+        assert!(check_end_state(&end).is_empty());
+        // b still has its mount of v, whose claim the cluster freed.
+        end.targets.insert(("b".into(), "y1".into(), "v".into()));
+        end.freed.insert(k("v", "y1"), "node b disconnected".into());
+        // A claim of w nobody records.
+        end.claims.insert(k("w", "z1"), k("c", "taken"));
+        let found = check_end_state(&end);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(
+            found[0]
+                .text
+                .contains("without a claim in etcd (freed/ note: node b"),
+            "{}",
+            found[0]
+        );
+        assert!(
+            found[1].text.contains("has no local record"),
+            "{}",
+            found[1]
+        );
+    }
 }
