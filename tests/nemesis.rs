@@ -48,8 +48,13 @@ use nemesis_support::rng::Rng;
 use nemesis_support::workload::{self, Release, Shared, VolSpec, RECORDS_FILE};
 use serde_json::{json, Value};
 
-/// The in-suite seed: its schedule finds no violation on main today (see
-/// the report on issue 22 for seeds that do).
+/// The in-suite seed: its schedule (stop_after_disconnect off, node c the
+/// controller host) found no violation on e20db15 in 3 of 3 runs. Seeds
+/// that found violations there (issue 22 defects 1 and 2 and the holes of
+/// its part A: a node returning after its lease expired mounts under claims
+/// the cluster frees at once; a stopped or restarting node keeps its
+/// mounts after the cluster freed them): 1, 2, 6, 7 (40 s), 12, 13 (150 s).
+/// Once those are fixed, make the default `random`.
 const DEFAULT_SEED: u64 = 3;
 const DEFAULT_SECONDS: u64 = 40;
 const NODES: [&str; 3] = ["a", "b", "c"];
