@@ -19,7 +19,7 @@
 //!
 //! Environment:
 //!   NEMESIS_SEED     the seed (a number, or `random`); default
-//!                    `DEFAULT_SEED`, a schedule that passes on today's code
+//!                    `DEFAULT_SEED`, a schedule that failed on e20db15
 //!   NEMESIS_SECONDS  how long faults and workload run [default 40]
 //!   NEMESIS_DISCONNECT  `on`/`off`: force stop_after_disconnect (else the
 //!                    seed chooses)
@@ -48,14 +48,16 @@ use nemesis_support::rng::Rng;
 use nemesis_support::workload::{self, Release, Shared, VolSpec, RECORDS_FILE};
 use serde_json::{json, Value};
 
-/// The in-suite seed: its schedule (stop_after_disconnect off, node c the
-/// controller host) found no violation on e20db15 in 3 of 3 runs. Seeds
-/// that found violations there (issue 22 defects 1 and 2 and the holes of
-/// its part A: a node returning after its lease expired mounts under claims
-/// the cluster frees at once; a stopped or restarting node keeps its
-/// mounts after the cluster freed them): 1, 2, 6, 7 (40 s), 12, 13 (150 s).
-/// Once those are fixed, make the default `random`.
-const DEFAULT_SEED: u64 = 3;
+/// The in-suite seed: a regression test. On e20db15 its schedule
+/// (stop_after_disconnect 4 s, node-only plugins, a SIGSTOP longer than
+/// TTL + window among its faults) found violations in 3 of 3 runs: mounts
+/// sent to a paused node ran after SIGCONT with its lease expired, the
+/// cluster freed those claims and another node wrote next to it. Other
+/// seeds that failed there: 1, 6, 7 (40 s), 12, 13 (150 s); every one of
+/// them passes now. A long run takes `NEMESIS_SEED=random` and a larger
+/// `NEMESIS_SECONDS`; a seed that fails becomes the default, or a test of
+/// its own.
+const DEFAULT_SEED: u64 = 2;
 const DEFAULT_SECONDS: u64 = 40;
 const NODES: [&str; 3] = ["a", "b", "c"];
 const LEASE_TTL: Duration = Duration::from_secs(2);

@@ -58,12 +58,20 @@ impl Node {
         members: &[std::net::SocketAddr],
     ) -> Node {
         let ndir = dir.join(name);
-        let root = ndir.join("plugin").join("root");
-        fs::create_dir_all(&root).expect("create the plugin root");
-        std::os::unix::fs::symlink(shared_volumes, root.join("volumes"))
-            .expect("link the shared volumes");
         let is_host = settings.controller_host.as_deref() == Some(name);
-        let builder = TestPlugin::builder(&ndir).node_id(&ext(name));
+        let mut builder = TestPlugin::builder(&ndir).node_id(&ext(name));
+        if settings.controller_host.is_some() {
+            // One storage system for every node's plugin, which really
+            // fences on ControllerUnpublish: the agents list the plugin in
+            // `fencing_plugins`.
+            let storage = shared_volumes.parent().expect("storage/volumes");
+            builder = builder.storage(storage).fence_on_unpublish();
+        } else {
+            let root = ndir.join("plugin").join("root");
+            fs::create_dir_all(&root).expect("create the plugin root");
+            std::os::unix::fs::symlink(shared_volumes, root.join("volumes"))
+                .expect("link the shared volumes");
+        }
         let plugin = if is_host {
             let others: Vec<String> = all.iter().filter(|n| **n != name).map(|n| ext(n)).collect();
             let others: Vec<&str> = others.iter().map(String::as_str).collect();
@@ -82,6 +90,9 @@ impl Node {
         cluster["call_timeout"] = json!("1s");
         if let Some(d) = settings.stop_after_disconnect {
             cluster["stop_after_disconnect"] = json!(format!("{}ms", d.as_millis()));
+        }
+        if settings.controller_host.is_some() {
+            cluster["fencing_plugins"] = json!([PLUGIN_ID]);
         }
         let agent = Agent::prepare(&ndir, "agent", config, false, &[]);
         Node {
