@@ -442,3 +442,63 @@ fn a_release_waiting_for_etcd_frees_its_claim_as_soon_as_etcd_answers() {
     );
     wait_until(SHOW_TIMEOUT, "a to drop p1", || a.no_allocs());
 }
+
+// ---- 8. The fencing token --------------------------------------------------------
+
+/// A controller host attaches only for a claim that still holds: the
+/// request carries the claim's epoch (its etcd create revision), and an
+/// attach whose claim is freed while the host's ControllerPublish runs is
+/// undone by the host itself, so nothing stays attached to a requester
+/// that is paused and cannot roll back.
+#[test]
+fn an_attach_whose_claim_goes_during_the_call_is_undone_by_the_host() {
+    let c = Cluster::start(vec![
+        host("h", &["a", "b"]).plugin_args(&["--log-starts"]),
+        node_only("a"),
+        node_only("b"),
+    ]);
+    c.add_volume(&volume());
+    let (h, a, b) = (c.node("h"), c.node("a"), c.node("b"));
+    h.plugin.faults().set(json!([
+        {"method": CP, "action": "delay", "ms": 4000, "count": 1}
+    ]));
+    a.mount_waiting("p1", "data=v");
+    wait_until(
+        SHOW_TIMEOUT,
+        "the host's ControllerPublish to start",
+        || {
+            h.plugin
+                .call_log()
+                .open_calls()
+                .iter()
+                .any(|l| l["method"] == CP)
+        },
+    );
+    let epoch = c.get_json("attachments/v/a").expect("the attach request")["epoch"].clone();
+    assert!(epoch.as_i64().is_some_and(|e| e > 0), "epoch {epoch}");
+    let pid = stop(a);
+    b.agent
+        .cli(&["claim", "free", "v", "p1", "--force", "--reason", "test"])
+        .ok();
+    wait_until(RETRY_TIMEOUT, "the host to undo the attach", || {
+        h.agent
+            .log()
+            .contains("attached to node a for a claim that went meanwhile")
+    });
+    assert!(
+        !h.attachments()
+            .contains(&("ext-v".to_string(), "ext-a".to_string())),
+        "{:?}",
+        h.attachments()
+    );
+    let cup = h.calls_of(CUP);
+    assert!(cup.iter().any(|x| x["node_id"] == "ext-a"), "{cup:?}");
+    let rec = c.get_json("attachments/v/a").expect("the attach request");
+    assert_eq!(rec["state"], "failed", "{rec}");
+    // b can have the volume now.
+    b.mount_ok("q1", "data=v");
+    thaw(pid, "the agent");
+    wait_until(RETRY_TIMEOUT, "a to give up p1", || a.no_allocs());
+    assert!(a.mounts().is_empty(), "{:?}", a.mounts());
+    assert_eq!(c.holders("v"), ["q1"]);
+}

@@ -273,6 +273,14 @@ fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
         handled_by: None,
         requested_at_ms: now,
         updated_at_ms: now,
+        alloc_id: match want {
+            Want::Attached => req.alloc_id.clone(),
+            Want::Detached => String::new(),
+        },
+        epoch: match want {
+            Want::Attached => req.epoch,
+            Want::Detached => 0,
+        },
     }
 }
 
@@ -399,6 +407,17 @@ impl RemoteControllers for EtcdClaims {
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<BTreeMap<String, String>, AttachError> {
+        // The request carries the claim's epoch (the fencing token).
+        let mut with_epoch;
+        let req = if req.epoch == 0 && !req.alloc_id.is_empty() {
+            with_epoch = req.clone();
+            with_epoch.epoch = self
+                .epoch_of(&req.volume_id, &req.alloc_id)
+                .map_err(AttachError::Store)?;
+            &with_epoch
+        } else {
+            req
+        };
         let rec = self
             .request(req, Want::Attached, &[])
             .map_err(AttachError::Store)?;
@@ -510,6 +529,8 @@ impl EtcdClaims {
                 external_node_id: a.external_node_id,
                 usage: a.usage,
                 mount_flags: a.mount_flags,
+                alloc_id: String::new(),
+                epoch: 0,
             }),
             (None, Some(node_id)) => {
                 let spec = super::SharedVolumes::get(self, volume_id)
@@ -536,6 +557,8 @@ impl EtcdClaims {
                         access_mode: claim.access_mode,
                     },
                     mount_flags: Vec::new(),
+                    alloc_id: String::new(),
+                    epoch: 0,
                 })
             }
             (None, None) => None,

@@ -85,6 +85,9 @@ pub struct EtcdClaims {
     /// reconciliation tells this run's claims from older ones by revision,
     /// never by wall clocks.
     pub(super) first_take_read: Arc<std::sync::atomic::AtomicI64>,
+    /// Claim key -> its epoch (create revision), as this process took or
+    /// read it: the fencing token of attach requests.
+    epochs: Arc<Mutex<HashMap<String, i64>>>,
 }
 
 impl EtcdClaims {
@@ -99,6 +102,7 @@ impl EtcdClaims {
             fencing: None,
             take_reads: Default::default(),
             first_take_read: Default::default(),
+            epochs: Default::default(),
         }
     }
 
@@ -117,6 +121,27 @@ impl EtcdClaims {
     fn confirmed(&self, volume_id: &str, alloc_id: &str, lease: Option<crate::etcd::LeaseId>) {
         if let (Some(f), Some(lease)) = (&self.fencing, lease) {
             f.confirm(volume_id, alloc_id, lease);
+        }
+    }
+
+    /// The epoch (etcd create revision) of this allocation's claim of the
+    /// volume: the fencing token an attach request carries. Read from etcd
+    /// when this process did not take it (after a restart); a claim that
+    /// is gone is `Impossible`.
+    pub fn epoch_of(&self, volume_id: &str, alloc_id: &str) -> Result<i64, ClaimError> {
+        let key = self.key(volume_id, alloc_id);
+        if let Some(e) = self.epochs.lock().get(&key) {
+            return Ok(*e);
+        }
+        match self.client.get(&key).map_err(unavailable)? {
+            Some(kv) => {
+                self.epochs.lock().insert(key, kv.create_revision);
+                Ok(kv.create_revision)
+            }
+            None => Err(ClaimError::Impossible {
+                volume_id: volume_id.to_string(),
+                reason: format!("the claim of allocation {alloc_id} is no longer held in etcd"),
+            }),
         }
     }
 
@@ -292,6 +317,7 @@ impl EtcdClaims {
             fencing: self.fencing.clone(),
             take_reads: self.take_reads.clone(),
             first_take_read: self.first_take_read.clone(),
+            epochs: self.epochs.clone(),
         }
     }
 
@@ -347,6 +373,9 @@ impl EtcdClaims {
                         self.known
                             .lock()
                             .insert(kv.key_str().into_owned(), (t.revision, fresh));
+                        self.epochs
+                            .lock()
+                            .insert(kv.key_str().into_owned(), kv.create_revision);
                         self.confirmed(&req.volume_id, &req.alloc_id, lease);
                         return Ok(());
                     }
@@ -396,6 +425,8 @@ impl EtcdClaims {
                 .txn(&[unchanged], &[TxnOp::put(key.clone(), value)], &[])
                 .map_err(unavailable)?;
             if t.succeeded {
+                // A new key: created at the transaction's revision.
+                self.epochs.lock().insert(key.clone(), t.revision);
                 self.known.lock().insert(key, (t.revision, stored));
                 self.confirmed(&req.volume_id, &req.alloc_id, lease);
                 return Ok(());
@@ -424,6 +455,7 @@ impl EtcdClaims {
         if let Some(f) = &self.fencing {
             f.forget(volume_id, alloc_id);
         }
+        self.epochs.lock().remove(&key);
         let Some(holder) = holder else {
             self.client.delete_range(&key, "").map_err(unavailable)?;
             self.known.lock().remove(&key);
@@ -796,7 +828,7 @@ impl ClaimStore for EtcdClaims {
     }
 }
 
-pub(super) fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
+pub fn parse(kv: &KeyValue) -> Result<StoredClaim, ClaimError> {
     serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
         key: kv.key_str().into_owned(),
         reason: e.to_string(),

@@ -77,6 +77,18 @@ pub struct AttachmentRecord {
     pub handled_by: Option<String>,
     pub requested_at_ms: u64,
     pub updated_at_ms: u64,
+    /// The allocation of the claim an attach is for.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub alloc_id: String,
+    /// That claim's epoch (etcd create revision): a host attaches only
+    /// while `claims/<volume>/<alloc>` exists with this create revision for
+    /// this node, and undoes an attach whose claim went during the call.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: i64,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 /// `<prefix>/plugins/<plugin>/controllers/<node>`.
@@ -113,6 +125,12 @@ pub struct AttachRequest {
     pub external_node_id: String,
     pub usage: Usage,
     pub mount_flags: Vec<String>,
+    /// The allocation whose claim the attach is for (empty for a detach
+    /// of a gone node's volume).
+    pub alloc_id: String,
+    /// The claim's epoch (its etcd create revision: the fencing token);
+    /// 0: filled in by the store from the claim.
+    pub epoch: i64,
 }
 
 /// Why an attachment through the cluster did not happen.

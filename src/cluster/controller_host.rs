@@ -505,7 +505,35 @@ impl Work {
             self.unlock();
             return Ok(());
         }
-        let result = self.call(&rec);
+        // The fencing token: nothing is attached for a claim that is gone
+        // or newer (a request from a node the cluster fenced meanwhile).
+        let refused = match rec.want {
+            Want::Attached => self.claim_gone(&rec)?,
+            Want::Detached => None,
+        };
+        let mut result = match refused {
+            Some(why) => Err((why, false)),
+            None => self.call(&rec),
+        };
+        if let (Want::Attached, Ok(_)) = (&rec.want, &result) {
+            if let Some(why) = self.claim_gone(&rec)? {
+                // Gone during the call: undone before anything is recorded.
+                let undo = AttachmentRecord {
+                    want: Want::Detached,
+                    ..rec.clone()
+                };
+                let undone = match self.call(&undo) {
+                    Ok(_) => "detached again".to_string(),
+                    Err((e, _)) => format!("the detach failed too: {e}"),
+                };
+                log::warn!(
+                    "controller host: volume {} attached to node {} for a claim that went meanwhile: {undone}",
+                    rec.volume_id,
+                    rec.node
+                );
+                result = Err((format!("{why} ({undone})"), false));
+            }
+        }
         rec.handled_by = Some(self.node.clone());
         rec.updated_at_ms = now_ms();
         let done_op = match (&rec.want, result) {
@@ -547,6 +575,37 @@ impl Work {
             }
         };
         self.finish(&kv, done_op)
+    }
+
+    /// Why the claim an attach request is for no longer holds (None: it
+    /// does): `claims/<volume>/<alloc>` must exist for the requesting node
+    /// with the request's epoch as its create revision. Requests without an
+    /// epoch (older agents) are not checked.
+    fn claim_gone(&self, rec: &AttachmentRecord) -> Result<Option<String>, ClaimError> {
+        if rec.epoch == 0 || rec.alloc_id.is_empty() {
+            return Ok(None);
+        }
+        let key = format!(
+            "{}/claims/{}/{}",
+            self.claims.prefix(),
+            rec.volume_id,
+            rec.alloc_id
+        );
+        let kv = self
+            .claims
+            .client()
+            .get(&key)
+            .map_err(crate::claims::etcd::unavailable)?;
+        let holds = kv.as_ref().is_some_and(|kv| {
+            kv.create_revision == rec.epoch
+                && crate::claims::etcd::parse(kv).is_ok_and(|c| c.claim.node == rec.node)
+        });
+        Ok((!holds).then(|| {
+            format!(
+                "the claim of allocation {} on node {} with epoch {} is gone or newer (freed, or fenced): not attached",
+                rec.alloc_id, rec.node, rec.epoch
+            )
+        }))
     }
 
     /// The controller call; the publish context, or the error and whether

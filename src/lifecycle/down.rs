@@ -260,7 +260,7 @@ fn detach(core: &Core, rec: &AllocVolume, deadline: Instant) -> Result<(), StepE
         .remote_controllers()
         .filter(|_| core.registry.serves(&rec.plugin_id, PluginKind::Controller) == Some(false));
     if let Some(remote) = remote {
-        let req = super::up::attach_request(core, rec);
+        let req = super::up::attach_request(core, "", rec);
         failpoints::hit("before-controller-unpublish");
         remote.detach(&req, core.opts.attach_timeout, &core.shutdown)?;
         return Ok(());

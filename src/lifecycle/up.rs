@@ -184,7 +184,7 @@ pub fn step(
                                     plugin_id: r.plugin_id.clone(),
                                 }
                             })?;
-                            let req = attach_request(core, &rec);
+                            let req = attach_request(core, alloc_id, &rec);
                             remote.attach(&req, core.opts.attach_timeout, &core.shutdown)?
                         }
                     };
@@ -270,7 +270,7 @@ fn record_published(
 
 /// What a controller host on another node needs to attach (or detach)
 /// the record's volume to this node.
-pub fn attach_request(core: &Core, rec: &AllocVolume) -> AttachRequest {
+pub fn attach_request(core: &Core, alloc_id: &str, rec: &AllocVolume) -> AttachRequest {
     AttachRequest {
         volume_id: rec.volume_id.clone(),
         node: core.opts.node_name.clone(),
@@ -279,6 +279,8 @@ pub fn attach_request(core: &Core, rec: &AllocVolume) -> AttachRequest {
         external_node_id: rec.external_node_id.clone().unwrap_or_default(),
         usage: rec.usage,
         mount_flags: rec.mount_flags.clone(),
+        alloc_id: alloc_id.to_string(),
+        epoch: 0,
     }
 }
 
