@@ -502,3 +502,46 @@ fn an_attach_whose_claim_goes_during_the_call_is_undone_by_the_host() {
     assert!(a.mounts().is_empty(), "{:?}", a.mounts());
     assert_eq!(c.holders("v"), ["q1"]);
 }
+
+// ---- 9. Absence counted from fresh observations ------------------------------
+
+/// An observer counts a node's absence only while it can observe: one cut
+/// off itself (its own lease not valid, its reads failing) starts counting
+/// again once it is back, and waits the whole W = D + U + τ + 2ρD + M from
+/// there (issue 22, defect 5: on e20db15 an observer back from its own
+/// partition freed at once).
+#[test]
+fn an_observer_back_from_its_own_partition_counts_the_absence_again() {
+    let mut c = Cluster::start(vec![
+        nfs_node("a").stop_after_disconnect(STOP_AFTER),
+        nfs_node("b")
+            .proxied()
+            .cluster_field("free_unfenced_claims", json!(true)),
+    ]);
+    c.add_volume(&volume());
+    c.node("a").mount_ok("p1", "data=v");
+    c.node_mut("a").agent.kill();
+    c.wait_gone("a");
+    let b = c.node("b");
+    b.cut();
+    // Cut off longer than a's whole wait W.
+    let wait_ms = STOP_AFTER_MS + 2 * 5000 + 3000;
+    let cut_at = now_ms();
+    wait_until(RETRY_TIMEOUT, "b's cut to outlast W", || {
+        now_ms() >= cut_at + wait_ms
+    });
+    assert!(c.get_json("freed/v/p1").is_none());
+    let healed_at = now_ms();
+    b.heal();
+    wait_until(RETRY_TIMEOUT, "b to free p1", || {
+        c.get_json("freed/v/p1").is_some()
+    });
+    let note = c.get_json("freed/v/p1").expect("the freed note");
+    let at = note["at_ms"].as_u64().expect("at_ms");
+    // W > D + U (U: twice the 5 s CSI call deadline), counted from the heal.
+    assert!(
+        at >= healed_at + STOP_AFTER_MS + 2 * 5000,
+        "freed {} ms after b came back",
+        at.saturating_sub(healed_at)
+    );
+}
