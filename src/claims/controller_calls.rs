@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::etcd::{unavailable, EtcdClaims};
 use super::remote::{now_ms, AttachError, AttachState};
 use super::ClaimError;
-use crate::etcd::{Compare, KeyValue, TxnOp};
+use crate::etcd::{Compare, CompareOp, KeyValue, TxnOp};
 use crate::shutdown::Shutdown;
 
 /// The first and the longest pause between two reads of a waiting call.
@@ -154,6 +154,29 @@ pub(super) fn forward(
         .map_err(store)?;
     let started = Instant::now();
     let mut pause = POLL_MIN;
+    // What a finished record answers; None while it is pending.
+    let finished = |rec: &ControllerCallRecord| -> Option<Result<Vec<u8>, AttachError>> {
+        match rec.state {
+            AttachState::Done => {
+                Some(
+                    from_hex(&rec.response_hex).ok_or_else(|| AttachError::Failed {
+                        host: rec.handled_by.clone().unwrap_or_default(),
+                        error: "the forwarded reply is not hex".to_string(),
+                        retryable: false,
+                        code: 13,
+                    }),
+                )
+            }
+            AttachState::Failed => Some(Err(AttachError::Failed {
+                host: rec.handled_by.clone().unwrap_or_default(),
+                error: rec.error.clone().unwrap_or_default(),
+                retryable: rec.retryable,
+                code: rec.code,
+            })),
+            AttachState::Pending => None,
+        }
+    };
+    let mut seen_revision = 0;
     let answer = loop {
         let kv = claims.client().get(&key).map_err(store)?;
         let Some(kv) = kv else {
@@ -164,25 +187,10 @@ pub(super) fn forward(
                 code: 0,
             });
         };
+        seen_revision = kv.mod_revision;
         let rec = parse_call(&kv).map_err(AttachError::Store)?;
-        match rec.state {
-            AttachState::Done => {
-                break from_hex(&rec.response_hex).ok_or_else(|| AttachError::Failed {
-                    host: rec.handled_by.clone().unwrap_or_default(),
-                    error: "the forwarded reply is not hex".to_string(),
-                    retryable: false,
-                    code: 13,
-                })
-            }
-            AttachState::Failed => {
-                break Err(AttachError::Failed {
-                    host: rec.handled_by.clone().unwrap_or_default(),
-                    error: rec.error.clone().unwrap_or_default(),
-                    retryable: rec.retryable,
-                    code: rec.code,
-                })
-            }
-            AttachState::Pending => {}
+        if let Some(a) = finished(&rec) {
+            break a;
         }
         if started.elapsed() >= wait {
             break Err(AttachError::NoAnswer {
@@ -196,38 +204,63 @@ pub(super) fn forward(
         pause = (pause * 2).min(POLL_MAX);
     };
     if matches!(answer, Err(AttachError::NoAnswer { .. })) {
-        // Given up: withdrawn only while no host has taken it (its lock is
-        // absent); a host on it finishes it, and this caller says so
-        // rather than pretending it did not happen.
+        // Given up: withdrawn only while it is still as last read (not
+        // answered meanwhile) and no host has taken it (its lock is
+        // absent); otherwise what happened is said, never hidden.
         let lock = claims.controller_call_lock_key(&key);
         let withdrawn = claims.client().txn(
-            &[Compare::absent(lock.clone())],
+            &[
+                Compare::absent(lock.clone()),
+                Compare::mod_revision(key.clone(), CompareOp::Equal, seen_revision),
+            ],
             &[TxnOp::delete(key.clone())],
-            &[TxnOp::get(lock)],
+            &[TxnOp::get(lock), TxnOp::get(key.clone())],
         );
-        return match withdrawn {
-            Ok(t) if t.succeeded => answer,
-            Ok(t) => {
-                let host = t
-                    .first_range()
-                    .and_then(|r| r.kvs.first())
-                    .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
-                    .and_then(|v| v["host"].as_str().map(str::to_string))
-                    .unwrap_or_default();
-                Err(AttachError::Failed {
-                    error: format!(
-                        "no answer within {wait:?}, and controller host {host} is performing the forwarded {method} call: its outcome is not known (it is not undone; look before trying again)"
-                    ),
-                    host,
-                    retryable: false,
-                    code: 4,
-                })
-            }
+        let t = match withdrawn {
+            Ok(t) if t.succeeded => return answer,
+            Ok(t) => t,
             Err(e) => {
                 log::info!("cluster: the forwarded call {key} could not be withdrawn: {e} (a host will not perform it once it expired)");
-                answer
+                return answer;
             }
         };
+        let ranges: Vec<_> = t
+            .responses
+            .iter()
+            .filter_map(|r| match r {
+                crate::etcd::TxnOpResponse::Range(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let call_now = ranges.get(1).and_then(|r| r.kvs.first());
+        if call_now.is_none() {
+            // Withdrawn by a host as expired: not performed.
+            return answer;
+        }
+        if let Some(a) = call_now
+            .and_then(|kv| parse_call(kv).ok())
+            .and_then(|rec| finished(&rec))
+        {
+            // Answered right at the deadline: the answer counts.
+            if let Err(e) = claims.client().delete_range(&key, "") {
+                log::info!("cluster: the forwarded call {key} stays in etcd: {e}");
+            }
+            return a;
+        }
+        let host = ranges
+            .first()
+            .and_then(|r| r.kvs.first())
+            .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
+            .and_then(|v| v["host"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        return Err(AttachError::Failed {
+            error: format!(
+                "no answer within {wait:?}, and controller host {host} is performing the forwarded {method} call: its outcome is not known (it is not undone; look before trying again)"
+            ),
+            host,
+            retryable: false,
+            code: 4,
+        });
     }
     // Answered: the call is not left behind (a host that died first left
     // it: the next host removes it after its retention).
