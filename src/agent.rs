@@ -188,7 +188,8 @@ impl Agent {
                 let etcd_claims = Arc::new(
                     EtcdClaims::new(client.clone(), &c.prefix, store.clone())
                         .with_node(&config.node_name)
-                        .with_fencing(fencing.clone()),
+                        .with_fencing(fencing.clone())
+                        .with_freed_retention(c.freed_note_retention),
                 );
                 // Reconciliation runs on its own thread after each
                 // registration, retried with backoff until it has been
@@ -241,6 +242,7 @@ impl Agent {
         opts.restore_wait = config.timeouts.plugin_wait + config.timeouts.csi_call;
         if let Some(c) = &config.cluster {
             opts.attach_timeout = c.attach_timeout;
+            opts.epoch_plugins = c.epoch_plugins.clone();
         }
         let rebooted = store.rebooted();
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());
@@ -280,6 +282,7 @@ impl Agent {
                     registry.clone(),
                     liveness.clone(),
                     &config.node_name,
+                    c.epoch_plugins.clone(),
                     shutdown.clone(),
                 )
                 .map_err(io_err("failed to start the controller host thread"))?;

@@ -119,6 +119,17 @@ pub struct ClusterConfig {
     /// (node-only volumes, plugins not in `fencing_plugins`) of a node gone
     /// for good. The user's risk: a paused or crashed node does not stop.
     pub free_unfenced_claims: bool,
+    /// Plugins that are given the claim's epoch (its etcd create revision,
+    /// the fencing token) under `claimd.io/epoch`
+    /// (`volumes::requests::EPOCH_CONTEXT_KEY`): in the volume context
+    /// of ControllerPublishVolume and the publish context of NodeStage and
+    /// NodePublish. Off by default: the CSI spec has those maps match what
+    /// the plugin answered, so only a plugin that asks for the key gets it.
+    pub epoch_plugins: Vec<String>,
+    /// How long a `freed/` note is kept (on a lease of that TTL): a node
+    /// coming back later finds neither claim nor note and keeps its
+    /// allocation, saying so in its log.
+    pub freed_note_retention: Duration,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -132,6 +143,9 @@ pub const DEFAULT_CLUSTER_PREFIX: &str = "/claimd";
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
 pub const DEFAULT_ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_ATTACH_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::claims::etcd::DEFAULT_FREED_NOTE_RETENTION;
+/// Shortest `cluster.freed_note_retention`.
+const MIN_FREED_NOTE_RETENTION: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -209,6 +223,9 @@ struct RawCluster {
     fencing_plugins: Vec<String>,
     #[serde(default)]
     free_unfenced_claims: bool,
+    #[serde(default)]
+    epoch_plugins: Vec<String>,
+    freed_note_retention: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -468,11 +485,32 @@ impl Config {
                         ),
                     ));
                 }
-                for p in &c.fencing_plugins {
-                    crate::ids::check_id("plugin", p)
-                        .map_err(|e| field_err("cluster.fencing_plugins", e.to_string()))?;
+                for (field, list) in [
+                    ("cluster.fencing_plugins", &c.fencing_plugins),
+                    ("cluster.epoch_plugins", &c.epoch_plugins),
+                ] {
+                    for p in list {
+                        crate::ids::check_id("plugin", p)
+                            .map_err(|e| field_err(field, e.to_string()))?;
+                    }
+                }
+                let freed_note_retention = dur(
+                    "cluster.freed_note_retention",
+                    c.freed_note_retention,
+                    DEFAULT_FREED_NOTE_RETENTION,
+                )?;
+                if freed_note_retention < MIN_FREED_NOTE_RETENTION {
+                    return Err(field_err(
+                        "cluster.freed_note_retention",
+                        format!(
+                            "{} is shorter than {}: a node back from a short partition must still find why its claims went",
+                            format_duration(freed_note_retention),
+                            format_duration(MIN_FREED_NOTE_RETENTION)
+                        ),
+                    ));
                 }
                 Some(ClusterConfig {
+                    freed_note_retention,
                     attach_timeout: dur(
                         "cluster.attach_timeout",
                         c.attach_timeout,
@@ -486,6 +524,7 @@ impl Config {
                     tls,
                     fencing_plugins: c.fencing_plugins,
                     free_unfenced_claims: c.free_unfenced_claims,
+                    epoch_plugins: c.epoch_plugins,
                 })
             }
         };

@@ -96,6 +96,22 @@ fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
         text.contains("claimd volume detach v --node a --reason"),
         "{text}"
     );
+    // So do health (degraded, with the command) and the metrics.
+    let health = b.agent.cli(&["health"]);
+    assert!(
+        health
+            .stdout
+            .contains("volume v stays claimed by unreachable node a (gone since 20")
+            && health
+                .stdout
+                .contains("claimd volume detach v --node a --reason"),
+        "{health:?}"
+    );
+    let metrics = b.agent.cli(&["metrics"]).ok().stdout;
+    assert!(
+        metrics.contains("claimd_cluster_unreachable_holds{node=\"a\"} 1"),
+        "{metrics}"
+    );
     assert_ne!(b.volume_status("q1")["phase"], "published");
     assert!(b.calls_of(NP).is_empty(), "{:?}", b.calls_of(NP));
     assert!(c.keys("freed/").is_empty());
@@ -112,6 +128,18 @@ fn a_paused_agents_node_only_volume_is_not_given_to_another_node() {
     assert!(ts(&np) >= ts(&nup), "b published {np} before a's {nup}");
     assert!(a.agent.log().contains("released while disconnected"));
     assert_eq!(c.holders("v"), ["q1"]);
+    // Back and released: b no longer shows a hold.
+    wait_until(SHOW_TIMEOUT, "b's health to drop a's hold", || {
+        !b.agent
+            .cli(&["health"])
+            .stdout
+            .contains("stays claimed by unreachable node a")
+    });
+    let metrics = b.agent.cli(&["metrics"]).ok().stdout;
+    assert!(
+        !metrics.contains("claimd_cluster_unreachable_holds{"),
+        "{metrics}"
+    );
 }
 
 /// The same pause with a volume the cluster can fence (a plugin listed in
@@ -544,4 +572,145 @@ fn an_observer_back_from_its_own_partition_counts_the_absence_again() {
         "freed {} ms after b came back",
         at.saturating_sub(healed_at)
     );
+}
+
+// ---- The epoch: the fencing token reaches the plugins that ask for it -------
+
+/// The epoch under `claimd.io/epoch` in a call-log line's `field`.
+fn epoch_in(call: &Value, field: &str) -> Option<i64> {
+    call[field][EPOCH_KEY]
+        .as_str()
+        .map(|e| e.parse().expect("a number"))
+}
+
+const EPOCH_KEY: &str = "claimd.io/epoch";
+
+/// With the plugin in `cluster.epoch_plugins`, the claim's epoch (its etcd
+/// create revision) goes into ControllerPublish's volume context and the
+/// publish context of NodeStage and NodePublish, and `alloc status` shows
+/// it. A plugin that enforces it (`--epoch-key`, one storage for both
+/// nodes) then refuses a call made under the older claim, as storage with
+/// a generation number would refuse a late request of a fenced node.
+#[test]
+fn the_claims_epoch_reaches_the_plugins_that_ask_for_it() {
+    let spec = |name: &str| {
+        host(name, &[])
+            .fenced_storage()
+            .plugin_args(&["--epoch-key", EPOCH_KEY])
+            .cluster_field("epoch_plugins", json!([PLUGIN_ID]))
+    };
+    let c = Cluster::start(vec![spec("a"), spec("b")]);
+    c.add_volume(&volume());
+    let (a, b) = (c.node("a"), c.node("b"));
+    let epoch_of = |alloc: &str| {
+        c.etcd
+            .client()
+            .get(format!("{PREFIX}/claims/v/{alloc}"))
+            .expect("read etcd")
+            .expect("the claim")
+            .create_revision
+    };
+    a.mount_ok("p1", "data=v");
+    let e1 = epoch_of("p1");
+    assert_eq!(epoch_in(&a.one_call(CP), "volume_context"), Some(e1));
+    assert_eq!(epoch_in(&a.one_call(NS), "publish_context"), Some(e1));
+    assert_eq!(epoch_in(&a.one_call(NP), "publish_context"), Some(e1));
+    assert_eq!(a.volume_status("p1")["epoch"], json!(e1));
+    let text = a.agent.cli(&["alloc", "status", "p1"]).ok().stdout;
+    assert!(
+        text.contains("EPOCH") && text.contains(&e1.to_string()),
+        "{text}"
+    );
+    a.release_ok("p1");
+    b.mount_ok("q1", "data=v");
+    let e2 = epoch_of("q1");
+    assert!(e2 > e1, "the newer claim's epoch {e2} is not above {e1}");
+    assert_eq!(epoch_in(&b.one_call(NP), "publish_context"), Some(e2));
+    // A ControllerPublish under p1's claim, arriving late: refused.
+    let late = a
+        .plugin
+        .client()
+        .controller_publish_volume(&single_writer_publish("ext-v", &ext("a"), e1))
+        .expect_err("a call under the older claim");
+    let msg = format!("{late}");
+    assert!(
+        msg.contains(&format!("epoch {e1} is older than {e2}")),
+        "{msg}"
+    );
+    // Without the setting a plugin gets no key (the spec has the contexts
+    // match what the plugin answered).
+    let plain = Cluster::start(vec![host("c", &[])]);
+    plain.add_volume(&volume());
+    let n = plain.node("c");
+    n.mount_ok("r1", "data=v");
+    assert_eq!(epoch_in(&n.one_call(NP), "publish_context"), None);
+    assert_eq!(epoch_in(&n.one_call(CP), "volume_context"), None);
+    assert!(n.volume_status("r1")["epoch"]
+        .as_i64()
+        .is_some_and(|e| e > 0));
+}
+
+/// ControllerPublishVolume of a single-writer mount volume with `epoch`
+/// in its volume context.
+fn single_writer_publish(
+    volume: &str,
+    node: &str,
+    epoch: i64,
+) -> claimd::csi::ControllerPublishVolumeRequest {
+    use claimd::csi::volume_capability::{access_mode::Mode, AccessMode, Access_type, MountVolume};
+    let mut cap = claimd::csi::VolumeCapability::new();
+    cap.access_type = Some(Access_type::Mount(MountVolume::new()));
+    let mut am = AccessMode::new();
+    am.mode = Mode::SINGLE_NODE_WRITER.into();
+    cap.access_mode = Some(am).into();
+    let mut r = claimd::csi::ControllerPublishVolumeRequest::new();
+    r.volume_id = volume.to_string();
+    r.node_id = node.to_string();
+    r.volume_capability = Some(cap).into();
+    r.volume_context
+        .insert(EPOCH_KEY.to_string(), epoch.to_string());
+    r
+}
+
+// ---- A restore does not wait for a claim held elsewhere ------------------------
+
+/// A restored mount that waits for a claim another node holds goes on in
+/// the background: the restarted agent answers at once, not after its
+/// restore wait (plugin_wait + csi_call, here over 10 minutes), and mounts
+/// the volume once the holder lets go.
+#[test]
+fn a_restored_mount_waiting_for_a_held_claim_does_not_hold_the_api() {
+    let mut c = Cluster::start(vec![
+        nfs_node("a"),
+        nfs_node("b").plugin_wait_timeout("10m"),
+    ]);
+    c.add_volume(&volume());
+    c.node("a").mount_ok("p1", "data=v");
+    let waiting = |b: &Node| {
+        b.volume_status("q1")["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains(&held_by("p1", "a"))
+    };
+    let b = c.node("b");
+    b.mount_waiting("q1", "data=v");
+    wait_until(SHOW_TIMEOUT, "q1 to wait for p1", || waiting(b));
+    // Within the harness's start bound (30 s), far below the restore wait.
+    let b = c.node_mut("b");
+    b.agent.restart();
+    wait_until(SHOW_TIMEOUT, "the restarted agent to say q1 waits", || {
+        waiting(b)
+    });
+    assert!(
+        b.agent
+            .log()
+            .contains("restore: allocation q1 waits for the cluster; it goes on in the background"),
+        "{}",
+        b.agent.log()
+    );
+    c.node("a").release_ok("p1");
+    let b = c.node("b");
+    wait_until(RETRY_TIMEOUT, "q1 to be mounted once p1 let go", || {
+        b.volume_status("q1")["phase"] == "published"
+    });
 }

@@ -248,6 +248,7 @@ pub fn alloc_to_wire(a: &AllocStatus) -> w::AllocStatus {
                 x.release_error = e;
             }
             x.message = v.message.clone();
+            x.epoch = v.epoch.unwrap_or(0);
             x
         })
         .collect();

@@ -23,6 +23,8 @@ mod config;
 mod controller;
 #[path = "test_plugin/controller_store.rs"]
 mod controller_store;
+#[path = "test_plugin/epochs.rs"]
+mod epochs;
 #[path = "test_plugin/faults.rs"]
 mod faults;
 #[path = "test_plugin/fencing.rs"]

@@ -589,6 +589,13 @@ impl EtcdClaims {
                 }
             }
         }
+        // One lease for the notes of this call: etcd removes them after
+        // the retention.
+        let note_lease = if mine.is_empty() {
+            None
+        } else {
+            Some(self.freed_note_lease().map_err(AttachError::Store)?)
+        };
         for (kv, stored) in mine {
             let note = serde_json::json!({
                 "claim": stored.claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
@@ -608,7 +615,11 @@ impl EtcdClaims {
                     ],
                     &[
                         TxnOp::delete(kv.key.clone()),
-                        TxnOp::put(note_key, note.to_string()),
+                        TxnOp::put_with_lease(
+                            note_key,
+                            note.to_string(),
+                            note_lease.expect("a lease when there are claims to free"),
+                        ),
                     ],
                     &[],
                 )

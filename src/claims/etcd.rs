@@ -40,6 +40,11 @@ use crate::volumes::VolumeSpec;
 /// volume's claims between the read and the write.
 pub(super) const CONFLICT_ATTEMPTS: usize = 32;
 
+/// How long a `freed/` note outlives the claim it tells of (a node coming
+/// back within it learns why its claim went and releases the allocation).
+pub const DEFAULT_FREED_NOTE_RETENTION: std::time::Duration =
+    std::time::Duration::from_secs(7 * 86_400);
+
 /// The key of a node's liveness record (on the node's lease).
 pub fn node_key(prefix: &str, node: &str) -> String {
     format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
@@ -88,6 +93,8 @@ pub struct EtcdClaims {
     /// Claim key -> its epoch (create revision), as this process took or
     /// read it: the fencing token of attach requests.
     epochs: Arc<Mutex<HashMap<String, i64>>>,
+    /// The TTL of the lease each `freed/` note is written on.
+    freed_retention: std::time::Duration,
 }
 
 impl EtcdClaims {
@@ -103,7 +110,22 @@ impl EtcdClaims {
             take_reads: Default::default(),
             first_take_read: Default::default(),
             epochs: Default::default(),
+            freed_retention: DEFAULT_FREED_NOTE_RETENTION,
         }
+    }
+
+    /// How long `freed/` notes are kept (`cluster.freed_note_retention`).
+    pub fn with_freed_retention(mut self, d: std::time::Duration) -> EtcdClaims {
+        self.freed_retention = d;
+        self
+    }
+
+    /// A lease for `freed/` notes written now: etcd removes them after the
+    /// retention.
+    pub(super) fn freed_note_lease(&self) -> Result<crate::etcd::LeaseId, ClaimError> {
+        self.client
+            .lease_grant(self.freed_retention)
+            .map_err(unavailable)
     }
 
     /// Checks every call up against `fencing` (see `check_call_up`).
@@ -318,14 +340,81 @@ impl EtcdClaims {
             take_reads: self.take_reads.clone(),
             first_take_read: self.first_take_read.clone(),
             epochs: self.epochs.clone(),
+            freed_retention: self.freed_retention,
         }
     }
 
+    /// A new claim of `req`, held by this node and instance.
+    fn new_claim(&self, req: &ClaimRequest) -> StoredClaim {
+        StoredClaim {
+            claim: Claim {
+                volume_id: req.volume_id.clone(),
+                alloc_id: req.alloc_id.clone(),
+                node: req.node.clone(),
+                mode: req.mode,
+                access_mode: req.access_mode,
+                external_node_id: req.external_node_id.clone(),
+                publish_context: Default::default(),
+                state: ClaimState::Taken,
+                since_ms: Some(now_ms()),
+                last_error: None,
+            },
+            taken_at_ms: now_ms(),
+            instance: self.instance().map(str::to_string),
+        }
+    }
+
+    /// A new claim written by `t` (at its revision): remembered as taken.
+    fn took(
+        &self,
+        req: &ClaimRequest,
+        key: String,
+        stored: StoredClaim,
+        t: &crate::etcd::TxnResponse,
+        lease: Option<crate::etcd::LeaseId>,
+    ) {
+        self.epochs.lock().insert(key.clone(), t.revision);
+        self.known.lock().insert(key, (t.revision, stored));
+        self.confirmed(&req.volume_id, &req.alloc_id, lease);
+    }
+
+    /// Takes the claim: one `Txn` when the volume has no claim yet (it
+    /// takes it, or reads what is there), else a read and a `Txn` that
+    /// holds only while nothing of the volume's claims changed since.
     fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
         let prefix = self.volume_prefix(&req.volume_id);
         let lease = self.lease_before();
+        let key = self.key(&req.volume_id, &req.alloc_id);
+        let mut read = {
+            let stored = self.new_claim(req);
+            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            let t = self
+                .client
+                .txn(
+                    &[Compare::prefix_empty(prefix.clone())],
+                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::get_prefix(prefix.clone())],
+                )
+                .map_err(unavailable)?;
+            if t.succeeded {
+                // Every claim this process writes from now on has a later
+                // revision than the one before this one.
+                let _ = self.first_take_read.compare_exchange(
+                    0,
+                    t.revision - 1,
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                self.took(req, key, stored, &t, lease);
+                return Ok(());
+            }
+            Some(read_of(t)?)
+        };
         for _ in 0..CONFLICT_ATTEMPTS {
-            let r = self.client.range_prefix(&prefix).map_err(unavailable)?;
+            let r = match read.take() {
+                Some(r) => r,
+                None => self.client.range_prefix(&prefix).map_err(unavailable)?,
+            };
             self.take_reads
                 .lock()
                 .insert(req.volume_id.clone(), r.revision);
@@ -398,39 +487,27 @@ impl EtcdClaims {
                 continue;
             }
             check_claim(req, &others.iter().collect::<Vec<_>>())?;
-            let stored = StoredClaim {
-                claim: Claim {
-                    volume_id: req.volume_id.clone(),
-                    alloc_id: req.alloc_id.clone(),
-                    node: req.node.clone(),
-                    mode: req.mode,
-                    access_mode: req.access_mode,
-                    external_node_id: req.external_node_id.clone(),
-                    publish_context: Default::default(),
-                    state: ClaimState::Taken,
-                    since_ms: Some(now_ms()),
-                    last_error: None,
-                },
-                taken_at_ms: now_ms(),
-                instance: self.instance().map(str::to_string),
-            };
+            let stored = self.new_claim(req);
             let value = serde_json::to_vec(&stored).expect("a claim always encodes");
-            let key = self.key(&req.volume_id, &req.alloc_id);
-            // Nothing of this volume's claims changed since the read.
+            // Nothing of this volume's claims changed since the read; if
+            // something did, the same round trip reads it again.
             let unchanged =
                 Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
                     .with_prefix();
             let t = self
                 .client
-                .txn(&[unchanged], &[TxnOp::put(key.clone(), value)], &[])
+                .txn(
+                    &[unchanged],
+                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::get_prefix(prefix.clone())],
+                )
                 .map_err(unavailable)?;
             if t.succeeded {
                 // A new key: created at the transaction's revision.
-                self.epochs.lock().insert(key.clone(), t.revision);
-                self.known.lock().insert(key, (t.revision, stored));
-                self.confirmed(&req.volume_id, &req.alloc_id, lease);
+                self.took(req, key, stored, &t, lease);
                 return Ok(());
             }
+            read = Some(read_of(t)?);
         }
         Err(ClaimError::Unavailable {
             store: "etcd".to_string(),
@@ -767,6 +844,7 @@ impl ClaimStore for EtcdClaims {
                         ),
                     });
                 }
+                self.epochs.lock().insert(key.clone(), kv.create_revision);
                 match lease {
                     Some(lease) => {
                         f.confirm(volume_id, alloc_id, lease);
@@ -793,6 +871,13 @@ impl ClaimStore for EtcdClaims {
         Some(self)
     }
 
+    fn epoch(&self, volume_id: &str, alloc_id: &str) -> Option<i64> {
+        self.epochs
+            .lock()
+            .get(&self.key(volume_id, alloc_id))
+            .copied()
+    }
+
     fn watch_claims(&self, volume_id: &str) -> Option<Box<dyn super::ClaimWatch>> {
         let prefix = self.volume_prefix(volume_id);
         // Right after the take's read that was refused: a release between
@@ -815,16 +900,33 @@ impl ClaimStore for EtcdClaims {
         let note = serde_json::json!({
             "claim": claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
         });
+        let lease = self.freed_note_lease()?;
         self.client
-            .put(
+            .put_with_lease(
                 format!(
                     "{}/freed/{}/{}",
                     self.prefix, claim.volume_id, claim.alloc_id
                 ),
                 note.to_string(),
+                lease,
             )
             .map_err(unavailable)?;
         Ok(())
+    }
+}
+
+/// The read of the failure branch of a take's `Txn`, at its revision.
+fn read_of(t: crate::etcd::TxnResponse) -> Result<crate::etcd::RangeResponse, ClaimError> {
+    let revision = t.revision;
+    match t.responses.into_iter().next() {
+        Some(crate::etcd::TxnOpResponse::Range(mut r)) => {
+            r.revision = revision;
+            Ok(r)
+        }
+        _ => Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: "a take's transaction answered without the read it asked for".to_string(),
+        }),
     }
 }
 

@@ -211,6 +211,12 @@ pub trait ClaimStore: Send + Sync {
     fn check_call_up(&self, _volume_id: &str, _alloc_id: &str) -> Result<(), ClaimError> {
         Ok(())
     }
+    /// The epoch of this allocation's claim (cluster stores: its etcd
+    /// create revision, the fencing token) as this process took or read
+    /// it; None when not known here (no round trip is made).
+    fn epoch(&self, _volume_id: &str, _alloc_id: &str) -> Option<i64> {
+        None
+    }
     /// Waits up to `timeout` before a retry of something that needs the
     /// store, less when a store that spans nodes answers again after a gap
     /// (a release waiting to free its claim goes on at once). False when

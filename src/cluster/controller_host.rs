@@ -36,6 +36,9 @@ use crate::volumes::requests::{self, VolumeRef};
 /// Longest pause between two scans of the requests when the watch says
 /// nothing (a lock that expired with its lease, a watch that broke).
 const SCAN_INTERVAL: Duration = Duration::from_secs(1);
+/// How recently a watch must have heard from etcd for the host to rely on
+/// it instead of reading every `SCAN_INTERVAL`.
+const WATCH_FRESH: Duration = Duration::from_secs(6);
 /// How often an agent that hosts no controller yet looks at its plugins.
 const ANNOUNCE_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -51,6 +54,7 @@ impl ControllerHost {
         registry: Registry,
         liveness: Arc<NodeLiveness>,
         node: &str,
+        epoch_plugins: Vec<String>,
         shutdown: Shutdown,
     ) -> std::io::Result<ControllerHost> {
         let mut threads = Threads::new();
@@ -59,11 +63,13 @@ impl ControllerHost {
             registry,
             liveness,
             node: node.to_string(),
+            epoch_plugins,
             shutdown,
             announced: BTreeMap::new(),
             busy: Arc::new(Mutex::new(HashSet::new())),
             workers: Threads::new(),
             finished_seen: HashMap::new(),
+            scan_again: false,
         };
         threads.spawn("controller-host", move || host.run())?;
         Ok(ControllerHost {
@@ -86,6 +92,9 @@ struct Host {
     registry: Registry,
     liveness: Arc<NodeLiveness>,
     node: String,
+    /// Plugins given the claim's epoch in ControllerPublish's volume
+    /// context (`cluster.epoch_plugins`).
+    epoch_plugins: Vec<String>,
     shutdown: Shutdown,
     /// What this node last wrote as its host record, per plugin.
     announced: BTreeMap<String, ControllerHostRecord>,
@@ -95,32 +104,45 @@ struct Host {
     /// Finished forwarded calls, since when this host saw them finished:
     /// removed after their retention (a requester that died left them).
     finished_seen: HashMap<String, Instant>,
+    /// The last scan could not settle a request (a lock not answered):
+    /// scan again after `SCAN_INTERVAL` even if nothing changes.
+    scan_again: bool,
 }
 
 impl Host {
+    /// Reads the requests (`scan`) only when something may have changed:
+    /// a watch event, a plugin announced or changed, a worker done, a new
+    /// lease, finished calls waiting out their retention; and every
+    /// `SCAN_INTERVAL` while a watch is missing or not fresh. An idle host
+    /// costs its watches' progress requests, not a full read a second.
     fn run(mut self) {
         let mut watchers: Vec<Watcher> = Vec::new();
+        let mut rescan = true;
+        let mut scanned_lease = None;
         while !self.shutdown.is_triggered() {
-            self.announce();
+            if self.announce() {
+                rescan = true;
+            }
             if self.announced.is_empty() {
                 // Hosting no controller (yet): nothing to look at; looked
                 // at again soon, so a controller is announced as soon as
                 // its plugin is fingerprinted.
                 watchers.clear();
+                rescan = true;
                 if !self.shutdown.sleep(ANNOUNCE_INTERVAL) {
                     break;
                 }
                 continue;
             }
-            if let Some(lease) = self.liveness.status().lease {
-                if let Err(e) = self.scan(lease) {
-                    log::warn!("controller host: cannot read the attach requests: {e}");
-                }
-            }
+            let running = self.workers.len();
             self.workers.reap();
+            if self.workers.len() < running {
+                rescan = true;
+            }
             if watchers.len() < 2 {
                 // Requests and their locks (`attachment…`), forwarded calls
-                // and theirs (`controller-call…`).
+                // and theirs (`controller-call…`), from now: the scan
+                // below reads what is there.
                 watchers = ["attachment", "controller-call"]
                     .iter()
                     .filter_map(|p| {
@@ -131,6 +153,26 @@ impl Host {
                             .ok()
                     })
                     .collect();
+                rescan = true;
+            }
+            let watched = watchers.len() == 2 && watchers.iter().all(|w| w.is_fresh(WATCH_FRESH));
+            let lease = self.liveness.status().lease;
+            if lease != scanned_lease
+                || !watched
+                || self.scan_again
+                || !self.finished_seen.is_empty()
+            {
+                rescan = true;
+            }
+            if let (true, Some(lease)) = (rescan, lease) {
+                self.scan_again = false;
+                match self.scan(lease) {
+                    Ok(()) => {
+                        rescan = false;
+                        scanned_lease = Some(lease);
+                    }
+                    Err(e) => log::warn!("controller host: cannot read the attach requests: {e}"),
+                }
             }
             if watchers.len() < 2 {
                 watchers.clear();
@@ -143,11 +185,12 @@ impl Host {
             for w in &watchers {
                 select.recv(w.receiver());
             }
+            select.recv(self.shutdown.receiver());
             if select.ready_timeout(SCAN_INTERVAL).is_ok() {
                 // Something changed (or a watch ended): drain, then scan.
                 let ended = watchers.iter().any(|w| loop {
                     match w.recv_timeout(Duration::ZERO) {
-                        Ok(Some(_)) => {}
+                        Ok(Some(_)) => rescan = true,
                         Ok(None) => break false,
                         Err(_) => break true,
                     }
@@ -169,8 +212,9 @@ impl Host {
     }
 
     /// Writes this node's host record of each plugin whose controller side
-    /// it serves, when it changed.
-    fn announce(&mut self) {
+    /// it serves, when it changed; true when it wrote one.
+    fn announce(&mut self) -> bool {
+        let mut wrote = false;
         for p in self.registry.list() {
             if !p.serves(PluginKind::Controller) || p.controller_capabilities.is_none() {
                 continue;
@@ -202,6 +246,7 @@ impl Host {
                         rec.ready
                     );
                     self.announced.insert(p.id.clone(), rec);
+                    wrote = true;
                 }
                 Err(e) => log::warn!(
                     "controller host: cannot announce the controller of plugin {}: {e}",
@@ -209,6 +254,7 @@ impl Host {
                 ),
             }
         }
+        wrote
     }
 
     /// Takes every pending request of a plugin this node hosts that no
@@ -261,6 +307,7 @@ impl Host {
                 Ok(false) => continue,
                 Err(e) => {
                     log::warn!("controller host: cannot lock {key}: {e}");
+                    self.scan_again = true;
                     continue;
                 }
             }
@@ -270,6 +317,7 @@ impl Host {
                 node: self.node.clone(),
                 key: key.clone(),
                 lock,
+                gives_epoch: self.epoch_plugins.contains(&rec.plugin_id),
                 controller,
             };
             let busy = self.busy.clone();
@@ -332,8 +380,14 @@ impl Host {
                 value: serde_json::json!({"host": self.node, "lease": lease.to_string()})
                     .to_string(),
             };
-            if !matches!(self.take_lock(&lock, lease), Ok(true)) {
-                continue;
+            match self.take_lock(&lock, lease) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    log::warn!("controller host: cannot lock {key}: {e}");
+                    self.scan_again = true;
+                    continue;
+                }
             }
             self.busy.lock().insert(key.clone());
             let work = Work {
@@ -341,6 +395,7 @@ impl Host {
                 node: self.node.clone(),
                 key: key.clone(),
                 lock,
+                gives_epoch: false,
                 controller,
             };
             let busy = self.busy.clone();
@@ -442,6 +497,8 @@ struct Work {
     node: String,
     key: String,
     lock: LockKey,
+    /// The plugin asked for the claim's epoch (`cluster.epoch_plugins`).
+    gives_epoch: bool,
     controller: PluginSnapshot,
 }
 
@@ -631,6 +688,7 @@ impl Work {
             staging_path: None,
             target_path: Path::new(""),
             publish_context: &no_context,
+            epoch: (self.gives_epoch && rec.epoch != 0).then_some(rec.epoch),
         };
         let client = &self.controller.client;
         match rec.want {

@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::liveness::NodeLiveness;
+use super::view::{NodeView, NodesSnapshot};
 use crate::claims::etcd::unavailable;
 use crate::claims::fencing::{self, Fencing, FreeRule};
 use crate::claims::{ClaimError, ClaimStore, EtcdClaims};
@@ -42,6 +43,14 @@ use crate::etcd::{Compare, LeaseId, TxnOp};
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
+
+/// How old the node view may be for the reaper to use it instead of
+/// reading etcd (the watch asks for progress every `AUTO_PROGRESS`).
+const VIEW_FRESH: Duration = Duration::from_secs(6);
+/// Backoff of looking again at a gone node whose claims were all kept (or
+/// that held none).
+const REAP_QUIET_FIRST: Duration = Duration::from_secs(2);
+const REAP_QUIET_MAX: Duration = Duration::from_secs(60);
 
 /// What the log and the release say of allocations released by the rule.
 pub const DISCONNECT_RELEASE_REASON: &str = "released while disconnected";
@@ -163,15 +172,23 @@ impl DisconnectRule {
         let every = (parts.lease_ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
         // Two observations further apart than this are not one watch.
         let max_gap = every * 3 + parts.call_timeout * 2;
+        let mut guard = self.threads.lock();
+        let threads = guard.get_or_insert_with(Threads::new);
+        let view = NodeView::start(
+            parts.claims.client().clone(),
+            parts.claims.prefix(),
+            parts.shutdown.clone(),
+            threads,
+        )?;
         let mut reaper = Reaper {
+            view,
             parts,
             gone_since: HashMap::new(),
             last_observation: None,
             kept_reported: HashSet::new(),
+            quiet: HashMap::new(),
             max_gap,
         };
-        let mut guard = self.threads.lock();
-        let threads = guard.get_or_insert_with(Threads::new);
         threads.spawn("reaper", move || {
             while reaper.parts.shutdown.sleep(every) {
                 reaper.tick();
@@ -254,12 +271,17 @@ impl SelfRelease {
 
 struct Reaper {
     parts: RuleParts,
+    /// The other nodes, as a watch keeps them.
+    view: NodeView,
     /// Nodes seen without a liveness key, since when (this agent's clock,
     /// from fresh observations only).
     gone_since: HashMap<String, Instant>,
     last_observation: Option<Instant>,
     /// (node, volume) kept claimed and already said so in the log.
     kept_reported: HashSet<(String, String)>,
+    /// Gone nodes with nothing to do at the last reap: when to look again,
+    /// and the current backoff.
+    quiet: HashMap<String, (Instant, Duration)>,
     max_gap: Duration,
 }
 
@@ -288,14 +310,18 @@ impl Reaper {
         }
     }
 
-    fn other_nodes(&mut self, lease: LeaseId) -> Result<(), ClaimError> {
-        let claims = self.parts.claims.clone();
-        let client = claims.client();
-        let prefix = claims.prefix().to_string();
-        let settings = client
-            .range_prefix(format!("{prefix}/node-settings/"))
+    /// Every node's settings and the nodes alive: from the node view while
+    /// its watch is fresh (no read), else read from etcd (two Ranges).
+    fn observe(&self) -> Result<NodesSnapshot, ClaimError> {
+        if let Some(v) = self.view.fresh(VIEW_FRESH) {
+            return Ok(v);
+        }
+        let claims = &self.parts.claims;
+        let settings = claims
+            .client()
+            .range_prefix(format!("{}/node-settings/", claims.prefix()))
             .map_err(unavailable)?;
-        let mut waits = BTreeMap::new();
+        let mut out = NodesSnapshot::default();
         for kv in &settings.kvs {
             let node = kv
                 .key_str()
@@ -304,20 +330,34 @@ impl Reaper {
                 .unwrap_or_default()
                 .to_string();
             match serde_json::from_slice::<NodeSettings>(&kv.value) {
-                Ok(s) if node != self.parts.node => {
-                    if let Some(w) = s.observer_wait() {
-                        waits.insert(node, w);
-                    }
+                Ok(s) => {
+                    out.settings.insert(node, s);
                 }
-                Ok(_) => {}
                 Err(e) => log::warn!("cluster: {} is not node settings: {e}", kv.key_str()),
             }
         }
+        out.alive = claims.alive_nodes()?;
+        Ok(out)
+    }
+
+    fn other_nodes(&mut self, lease: LeaseId) -> Result<(), ClaimError> {
+        let seen = self.observe()?;
+        let mut waits = BTreeMap::new();
+        for (node, s) in &seen.settings {
+            if *node != self.parts.node {
+                if let Some(w) = s.observer_wait() {
+                    waits.insert(node.clone(), w);
+                }
+            }
+        }
+        let unreachable = &self.parts.liveness.unreachable;
         if waits.is_empty() {
             self.gone_since.clear();
+            unreachable.retain_nodes(|_| false);
             return Ok(());
         }
-        let alive = claims.alive_nodes()?;
+        let alive = seen.alive;
+        unreachable.retain_nodes(|n| waits.contains_key(n) && !alive.contains(n));
         let now = Instant::now();
         // An observer that was stuck (a slow reap, a descheduled process)
         // saw nothing in between: it does not count that time.
@@ -329,25 +369,47 @@ impl Reaper {
         self.last_observation = Some(now);
         self.gone_since
             .retain(|n, _| waits.contains_key(n) && !alive.contains(n));
+        self.quiet.retain(|n, _| self.gone_since.contains_key(n));
         self.kept_reported.retain(|(n, _)| !alive.contains(n));
         for (node, wait) in waits {
             if alive.contains(&node) {
                 continue;
             }
             let since = *self.gone_since.entry(node.clone()).or_insert(now);
-            if since.elapsed() >= wait {
-                self.reap(&node, wait, lease)?;
+            if since.elapsed() < wait || self.quiet.get(&node).is_some_and(|(next, _)| now < *next)
+            {
+                continue;
+            }
+            if self.reap(&node, wait, lease)? {
+                // Nothing this agent can do for that node now: looked at
+                // again less and less often (up to REAP_QUIET_MAX), so a
+                // node gone for good costs no full read of the claims on
+                // every tick.
+                let b = self
+                    .quiet
+                    .get(&node)
+                    .map_or(REAP_QUIET_FIRST, |(_, b)| (*b * 2).min(REAP_QUIET_MAX));
+                self.quiet.insert(node, (Instant::now() + b, b));
+            } else {
+                self.quiet.remove(&node);
             }
         }
         Ok(())
     }
 
     /// Takes the node's reaper lock: true when this agent holds it (also
-    /// when an earlier take of this agent left it, or its answer was lost).
-    fn lock(&self, lock: &str, me: &str, lease: LeaseId) -> Result<bool, ClaimError> {
+    /// when an earlier take of this agent left it, or its answer was lost)
+    /// while the node's liveness key is absent. Both are compared in one
+    /// `Txn`, so the decision is linearizable even when the absence was
+    /// seen through a watch.
+    fn lock(&self, node: &str, lock: &str, me: &str, lease: LeaseId) -> Result<bool, ClaimError> {
         let client = self.parts.claims.client();
+        let gone = Compare::absent(crate::claims::etcd::node_key(
+            self.parts.claims.prefix(),
+            node,
+        ));
         let took = client.txn(
-            &[Compare::absent(lock)],
+            &[Compare::absent(lock), gone.clone()],
             &[TxnOp::put_with_lease(lock, me, lease)],
             &[],
         );
@@ -359,13 +421,16 @@ impl Reaper {
                 log::info!("cluster: reaper lock {lock}: take not answered ({e}); reading it")
             }
         }
-        let held = client.get(lock).map_err(unavailable)?;
-        Ok(held.is_some_and(|kv| kv.value == me.as_bytes()))
+        let mine = Compare::value(lock, crate::etcd::CompareOp::Equal, me);
+        let held = client.txn(&[mine, gone], &[], &[]).map_err(unavailable)?;
+        Ok(held.succeeded)
     }
 
     /// Acts on the claims of a node gone for longer than its wait, under
     /// the node's reaper lock, by the cluster's free rule.
-    fn reap(&mut self, node: &str, wait: Duration, lease: LeaseId) -> Result<(), ClaimError> {
+    /// True when there was nothing it could do: no claims of that node, or
+    /// each one kept (nothing can fence it).
+    fn reap(&mut self, node: &str, wait: Duration, lease: LeaseId) -> Result<bool, ClaimError> {
         let claims = self.parts.claims.clone();
         let volumes: Vec<String> = {
             // A value that is not a claim is skipped (and reported where
@@ -380,15 +445,20 @@ impl Reaper {
             v.dedup();
             v
         };
+        let unreachable = &self.parts.liveness.unreachable;
+        unreachable.retain_node(node, &volumes);
         if volumes.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
+        let gone_for = self.gone_since.get(node).map_or(wait, Instant::elapsed);
         let lock = format!("{}/reaper-locks/{node}", claims.prefix());
         let me =
             serde_json::json!({"host": self.parts.node, "lease": lease.to_string()}).to_string();
-        if !self.lock(&lock, &me, lease)? {
-            return Ok(());
+        if !self.lock(node, &lock, &me, lease)? {
+            // Another agent reaps it now (or the node is back).
+            return Ok(false);
         }
+        let mut all_kept = true;
         let reason = format!(
             "node {node} disconnected for more than {wait:?} (its stop_after_disconnect plus its unmount bound and margins)"
         );
@@ -408,6 +478,7 @@ impl Reaper {
                 &self.parts.shutdown,
             ) {
                 Ok(d) if d.kept.is_some() => {
+                    unreachable.kept(v, node, gone_for, d.kept.as_deref().unwrap_or_default());
                     if self.kept_reported.insert((node.to_string(), v.clone())) {
                         log::warn!(
                             "cluster: volume {v} stays claimed by unreachable node {node}: {}; once that node is known to be down for good, free it with `claimd volume detach {v} --node {node} --reason ...`",
@@ -415,14 +486,25 @@ impl Reaper {
                         );
                     }
                 }
-                Ok(d) => log::warn!(
-                    "cluster: volume {v} of unreachable node {node}: {}freed the claims of {}",
-                    if d.detached { "fenced (detached), " } else { "" },
-                    d.freed.join(", ")
-                ),
-                Err(e) => log::warn!(
-                    "cluster: volume {v} of unreachable node {node} not released yet: {e} (retrying)"
-                ),
+                Ok(d) => {
+                    all_kept = false;
+                    unreachable.gone(v, node);
+                    log::warn!(
+                        "cluster: volume {v} of unreachable node {node}: {}freed the claims of {}",
+                        if d.detached {
+                            "fenced (detached), "
+                        } else {
+                            ""
+                        },
+                        d.freed.join(", ")
+                    )
+                }
+                Err(e) => {
+                    all_kept = false;
+                    log::warn!(
+                        "cluster: volume {v} of unreachable node {node} not released yet: {e} (retrying)"
+                    )
+                }
             }
         }
         let same = Compare::value(lock.clone(), crate::etcd::CompareOp::Equal, me);
@@ -431,6 +513,6 @@ impl Reaper {
         if let Err(e) = claims.client().txn(&[same], &[TxnOp::delete(lock)], &[]) {
             log::info!("cluster: reaper lock of {node} not released now: {e}");
         }
-        Ok(())
+        Ok(all_kept)
     }
 }

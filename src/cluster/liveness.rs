@@ -55,6 +55,9 @@ pub struct NodeLiveness {
     ttl: Duration,
     fencing: Arc<Fencing>,
     threads: Mutex<Option<Threads>>,
+    /// Other nodes' claims the cluster keeps while they are unreachable
+    /// (filled by the reaper; shown by `health` and the metrics).
+    pub unreachable: super::UnreachableHolds,
 }
 
 impl NodeLiveness {
@@ -95,6 +98,7 @@ impl NodeLiveness {
             ttl,
             fencing,
             threads: Mutex::new(Some(threads)),
+            unreachable: Default::default(),
         })
     }
 

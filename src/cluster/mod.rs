@@ -6,6 +6,8 @@
 mod controller_host;
 mod disconnect;
 mod liveness;
+mod unreachable;
+mod view;
 
 pub use controller_host::ControllerHost;
 pub use disconnect::{
@@ -13,3 +15,5 @@ pub use disconnect::{
     DISCONNECT_RELEASE_REASON,
 };
 pub use liveness::{Liveness, NodeLiveness, NodeRecord};
+pub use unreachable::{UnreachableHold, UnreachableHolds};
+pub use view::{NodeView, NodesSnapshot};

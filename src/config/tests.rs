@@ -65,7 +65,7 @@ fn endpoints_are_read_as_plugins_write_them() {
     let cl = parse(
         r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"3s",
             "call_timeout":"1s","stop_after_disconnect":"3s","attach_timeout":"20s",
-            "fencing_plugins":["san"],"free_unfenced_claims":true}}"#,
+            "fencing_plugins":["san"],"free_unfenced_claims":true,"epoch_plugins":["san"],"freed_note_retention":"2h"}}"#,
     )
     .expect("valid")
     .cluster
@@ -74,6 +74,8 @@ fn endpoints_are_read_as_plugins_write_them() {
     assert_eq!(cl.attach_timeout, Duration::from_secs(20));
     assert_eq!(cl.fencing_plugins, ["san"]);
     assert!(cl.free_unfenced_claims);
+    assert_eq!(cl.epoch_plugins, ["san"]);
+    assert_eq!(cl.freed_note_retention, Duration::from_secs(7200));
     let d = parse("{}").expect("defaults");
     assert_eq!(
         d.timeouts.mount_retry_deadline,
@@ -120,6 +122,14 @@ fn bad_configs_name_the_field() {
         (
             r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"fencing_plugins":["../x"]}}"#,
             "cluster.fencing_plugins",
+        ),
+        (
+            r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"epoch_plugins":["a/b"]}}"#,
+            "cluster.epoch_plugins",
+        ),
+        (
+            r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"freed_note_retention":"30s"}}"#,
+            "cluster.freed_note_retention",
         ),
         (
             r#"{"cluster":{"endpoints":["http://127.0.0.1:2379"],"lease_ttl":"2s","call_timeout":"1s","stop_after_disconnect":"1000h"}}"#,

@@ -98,6 +98,12 @@ impl Watcher {
         self.heard.lock().elapsed() < max_age
     }
 
+    /// When etcd last answered on this watch's stream (an event, a
+    /// progress), counted once that answer's events were handed over.
+    pub fn last_heard(&self) -> Instant {
+        *self.heard.lock()
+    }
+
     /// The event channel itself, for `select!`.
     pub fn receiver(&self) -> &Receiver<Result<WatchEvent, EtcdError>> {
         &self.events
@@ -285,8 +291,13 @@ impl WatchLoop<'_> {
             };
             match received {
                 Ok(Received::Message(resp)) => {
-                    *self.heard.lock() = Instant::now();
-                    if let Next::End = self.handle(resp, canceling) {
+                    // Heard once its events are handed over: a reader that
+                    // takes `last_heard` and then drains the channel has
+                    // every event up to then.
+                    let answered = Instant::now();
+                    let next = self.handle(resp, canceling);
+                    *self.heard.lock() = answered;
+                    if let Next::End = next {
                         return;
                     }
                 }

@@ -57,6 +57,9 @@ pub struct LifecycleOptions {
     /// Cluster mode: how long one attach or detach request waits for a
     /// controller host on another node.
     pub attach_timeout: Duration,
+    /// Cluster mode: plugins given the claim's epoch in their contexts
+    /// (`cluster.epoch_plugins`).
+    pub epoch_plugins: Vec<String>,
 }
 
 impl LifecycleOptions {
@@ -75,6 +78,7 @@ impl LifecycleOptions {
             lock_wait: OPERATION_LOCK_WAIT,
             uncertain_settle: crate::config::DEFAULT_CSI_CALL_TIMEOUT,
             attach_timeout: crate::config::DEFAULT_ATTACH_TIMEOUT,
+            epoch_plugins: Vec::new(),
         }
     }
 }

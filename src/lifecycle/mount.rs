@@ -358,6 +358,7 @@ fn new_record(
         publish_context: BTreeMap::new(),
         holds_attachment: false,
         holds_staging: false,
+        epoch: None,
         phase: Phase::Claiming,
     }
 }
@@ -487,6 +488,10 @@ fn mount_volume_steps(
                 let msg = crate::error_chain(&e);
                 log::warn!("mount of {alloc_id}/{alias}: {msg} (retrying)");
                 say(Some(format!("{msg} (retrying)")));
+                if matches!(e, StepError::Claim(_)) {
+                    // No call up until the cluster confirms the claim.
+                    core.progress.waits_for_cluster(alloc_id);
+                }
                 let timeout = |e: StepError| MountError::Timeout {
                     alias: alias.to_string(),
                     last_error: Box::new(e),
@@ -574,6 +579,9 @@ fn take_claim(
                         let staged = s.staging_path_of(&rec.volume_id, (alloc_id, alias));
                         if let Some(v) = s.volume_mut(alloc_id, alias) {
                             plan.enter(v, paths, staged);
+                            // The take just wrote or read the claim: its
+                            // epoch is known here, with no round trip.
+                            v.epoch = core.claims.epoch(&rec.volume_id, alloc_id);
                             core.progress.intent_recorded(alloc_id, alias);
                         }
                     }
@@ -598,6 +606,7 @@ fn take_claim(
                 let msg = format!("{e} (retrying)");
                 log::info!("allocation {alloc_id}: {msg}");
                 core.progress.set_message(alloc_id, alias, Some(msg));
+                core.progress.waits_for_cluster(alloc_id);
                 // Woken early when the volume's claims change (the holder
                 // let go), where the claim store can tell.
                 if watch.is_none() {

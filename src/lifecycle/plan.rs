@@ -119,6 +119,7 @@ fn remote_controller(
                 "cannot learn whether plugin {plugin_id} has a controller host in the cluster: {e} (retrying)"
             )),
         );
+        core.progress.waits_for_cluster(alloc_id);
         match backoff.wait(&core.shutdown) {
             Ok(()) => {}
             Err(Interrupted::Shutdown) => return Err(MountError::Shutdown),

@@ -99,6 +99,10 @@ struct Inner {
     /// (alloc, alias) -> when a call of that volume timed out (it may still
     /// be carried out by the plugin).
     uncertain: HashMap<Key, Instant>,
+    /// While a restore waits for its mounts: told of each allocation whose
+    /// mount waits for the cluster (a claim held elsewhere, etcd not
+    /// answering), so the restore stops waiting for it.
+    restore_parks: Option<crossbeam_channel::Sender<String>>,
 }
 
 /// Why a mount cannot start now.
@@ -138,6 +142,20 @@ impl Progress {
         let mut p = self.inner.lock();
         p.mounting.remove(alloc_id);
         self.changed.notify_all();
+    }
+
+    /// Where `waits_for_cluster` reports go while a restore waits (None:
+    /// nowhere).
+    pub fn report_cluster_waits(&self, to: Option<crossbeam_channel::Sender<String>>) {
+        self.inner.lock().restore_parks = to;
+    }
+
+    /// The mount of `alloc_id` waits for the cluster (it retries on its
+    /// own): a restore waiting for it goes on without it.
+    pub fn waits_for_cluster(&self, alloc_id: &str) {
+        if let Some(tx) = &self.inner.lock().restore_parks {
+            let _ = tx.send(alloc_id.to_string());
+        }
     }
 
     /// Forgets the release reports of an earlier allocation of this ID.

@@ -162,10 +162,12 @@ fn resume_releases(core: &Arc<Core>, ids: &[String], report: &mut RestoreReport)
 }
 
 /// Finishes mounts on one worker per allocation. Requests are served only
-/// after they finished or `restore_wait` passed, whichever comes first: a
-/// mount that waits out a held claim (or a plugin that does not come back)
-/// goes on in the background, so it cannot keep the API, and with it the
-/// release that would free the claim, away.
+/// after each finished, or waits for the cluster (a claim held elsewhere,
+/// etcd not answering: `Progress::waits_for_cluster`), or `restore_wait`
+/// passed, whichever comes first: a mount that waits out a held claim (or
+/// a plugin that does not come back) goes on in the background, so it
+/// cannot keep the API, and with it the release that would free the claim,
+/// away.
 fn finish_mounts(
     core: &Arc<Core>,
     ids: &[String],
@@ -174,7 +176,9 @@ fn finish_mounts(
     finished: &mut dyn FnMut(usize),
 ) {
     let (tx, rx) = crossbeam_channel::unbounded::<(String, Result<(), MountError>)>();
-    let mut started = 0;
+    let (park_tx, parked) = crossbeam_channel::unbounded::<String>();
+    core.progress.report_cluster_waits(Some(park_tx));
+    let mut pending = BTreeSet::new();
     for id in ids {
         let guard = match mount::begin(core, id) {
             Ok(g) => g,
@@ -198,7 +202,9 @@ fn finish_mounts(
             let _ = tx.send((id2, r));
         });
         match spawned {
-            Ok(()) => started += 1,
+            Ok(()) => {
+                pending.insert(id.clone());
+            }
             Err(super::core::SpawnError::Stopping) => {}
             Err(super::core::SpawnError::Io(e)) => report
                 .errors
@@ -207,23 +213,42 @@ fn finish_mounts(
     }
     drop(tx);
     let deadline = Instant::now() + core.opts.restore_wait;
+    let started = pending.len();
     let mut failed = 0;
-    for _ in 0..started {
-        match rx.recv_deadline(deadline) {
-            Ok((_, Ok(()))) => {
-                report.mounts_finished += 1;
-                finished(1);
+    while !pending.is_empty() {
+        crossbeam_channel::select! {
+            recv(rx) -> m => {
+                let Ok((id, r)) = m else { break };
+                // One that went on in the background counts there.
+                if pending.remove(&id) {
+                    finished(1);
+                    match r {
+                        Ok(()) => report.mounts_finished += 1,
+                        Err(e) => {
+                            failed += 1;
+                            report
+                                .errors
+                                .push(format!("{id}: {}", crate::error_chain(&e)));
+                        }
+                    }
+                }
             }
-            Ok((id, Err(e))) => {
-                failed += 1;
-                finished(1);
-                report
-                    .errors
-                    .push(format!("{id}: {}", crate::error_chain(&e)));
+            recv(parked) -> m => {
+                // Waits for a claim or for etcd, retrying on its own: the
+                // API (and the release that may free that claim) is not
+                // kept waiting for it.
+                if let Ok(id) = m {
+                    if pending.remove(&id) {
+                        log::info!(
+                            "restore: allocation {id} waits for the cluster; it goes on in the background"
+                        );
+                    }
+                }
             }
-            Err(_) => break,
+            default(deadline.saturating_duration_since(Instant::now())) => break,
         }
     }
+    core.progress.report_cluster_waits(None);
     report.in_background = started - report.mounts_finished - failed;
 }
 

@@ -25,6 +25,8 @@ pub struct VolumeStatus {
     pub step: Option<String>,
     /// What a running mount or restore is waiting on, if anything.
     pub message: String,
+    /// Cluster mode: the claim's epoch (etcd create revision).
+    pub epoch: Option<i64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +54,7 @@ fn released(core: &Core, alloc_id: &str, alias: String, st: ReleaseState) -> Vol
         release: Some(st),
         step: None,
         message: String::new(),
+        epoch: None,
     }
 }
 
@@ -74,6 +77,9 @@ pub fn alloc_status(core: &Core, alloc_id: &str) -> Option<AllocStatus> {
                     release: releases.remove(&v.alias),
                     step: core.progress.step(alloc_id, &v.alias),
                     message: core.progress.message(alloc_id, &v.alias),
+                    epoch: v
+                        .epoch
+                        .or_else(|| core.claims.epoch(&v.volume_id, alloc_id)),
                 })
                 .collect();
             volumes.extend(

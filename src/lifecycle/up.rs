@@ -135,6 +135,17 @@ pub fn step(
     if let Some(ctx) = &up.publish_context {
         sent.publish_context = ctx.clone();
     }
+    // The claim's epoch, for a plugin that asked for it.
+    let epoch = if core.opts.epoch_plugins.contains(&rec.plugin_id) {
+        rec.epoch
+            .or_else(|| core.claims.epoch(&rec.volume_id, alloc_id))
+    } else {
+        None
+    };
+    let sent_ref = || crate::volumes::requests::VolumeRef {
+        epoch,
+        ..sent.volume_ref()
+    };
     let Some(call) = up.next() else {
         return Ok(Step::Done);
     };
@@ -174,8 +185,7 @@ pub fn step(
                                 .controller_capabilities
                                 .as_ref()
                                 .is_some_and(|caps| caps.publish_readonly);
-                            let req =
-                                requests::controller_publish(sent.volume_ref(), &spec, readonly);
+                            let req = requests::controller_publish(sent_ref(), &spec, readonly);
                             c.client.controller_publish_volume(&req)?
                         }
                         ControllerRoute::Remote(r) => {
@@ -205,7 +215,7 @@ pub fn step(
                 || core.store.read(|s| s.staging_established(&staging, me));
             if !shared {
                 create_dir(&staging)?;
-                let req = requests::node_stage(sent.volume_ref(), &spec);
+                let req = requests::node_stage(sent_ref(), &spec);
                 failpoints::hit("before-node-stage");
                 node.client.node_stage_volume(&req)?;
                 failpoints::hit("after-node-stage");
@@ -216,7 +226,7 @@ pub fn step(
             if let Some(parent) = rec.target_path.parent() {
                 create_dir(parent)?;
             }
-            let req = requests::node_publish(sent.volume_ref(), &spec);
+            let req = requests::node_publish(sent_ref(), &spec);
             core.progress
                 .sending(alloc_id, alias, |s| s.node_publish = true);
             failpoints::hit("before-node-publish");

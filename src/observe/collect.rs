@@ -222,6 +222,19 @@ fn etcd(t: &mut Text, o: &Observer) {
         "1 while this node's liveness lease in etcd is held and renewed within its TTL.",
         if c.problem().is_none() { 1.0 } else { 0.0 },
     );
+    let name = "claimd_cluster_unreachable_holds";
+    t.family(
+        name,
+        Kind::Gauge,
+        "Volumes kept claimed by a node this agent sees gone, that nothing can fence (freed only by an operator or the node's return), by node.",
+    );
+    let mut by_node = std::collections::BTreeMap::<String, f64>::new();
+    for h in c.unreachable.list() {
+        *by_node.entry(h.node).or_default() += 1.0;
+    }
+    for (node, n) in &by_node {
+        t.sample(name, &[("node", node.as_str())], *n);
+    }
 }
 
 fn volume_stats(t: &mut Text, o: &Observer) {

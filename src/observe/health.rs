@@ -24,8 +24,21 @@ pub fn problems(o: &Observer) -> Vec<String> {
             ));
         }
     }
-    if let Some(p) = o.cluster.as_ref().and_then(|c| c.problem()) {
-        out.push(format!("cluster: {p}"));
+    if let Some(c) = &o.cluster {
+        if let Some(p) = c.problem() {
+            out.push(format!("cluster: {p}"));
+        }
+        for h in c.unreachable.list() {
+            out.push(format!(
+                "cluster: volume {} stays claimed by unreachable node {} (gone since {}): {}; once that node is known to be down for good, free it with `claimd volume detach {} --node {} --reason ...`",
+                h.volume_id,
+                h.node,
+                crate::clock::utc(h.gone_since_ms / 1000),
+                h.why,
+                h.volume_id,
+                h.node
+            ));
+        }
     }
     for (alloc, alias, st) in o.lifecycle.release_reports() {
         match st {

@@ -161,6 +161,10 @@ pub struct AllocVolume {
     /// NodeStage is sent).
     #[serde(default)]
     pub holds_staging: bool,
+    /// Cluster mode: the claim's epoch (its etcd create revision, the
+    /// fencing token), recorded with the intent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
     pub phase: Phase,
 }
 
@@ -176,6 +180,7 @@ impl AllocVolume {
             staging_path: self.staging_path.as_deref(),
             target_path: &self.target_path,
             publish_context: &self.publish_context,
+            epoch: None,
         }
     }
 }

@@ -130,6 +130,7 @@ mod tests {
             publish_context: [("k".to_string(), alias.to_string())].into(),
             holds_attachment: attach,
             holds_staging: staging,
+            epoch: None,
             phase,
         }
     }

@@ -8,6 +8,10 @@ use std::path::Path;
 use super::spec::{AttachmentMode, MountOptions, Usage, VolumeSpec};
 use crate::csi;
 
+/// The key under which plugins in `cluster.epoch_plugins` are given the
+/// claim's epoch (its etcd create revision, the fencing token).
+pub const EPOCH_CONTEXT_KEY: &str = "claimd.io/epoch";
+
 /// What the requests need of a volume record (the state's `AllocVolume`
 /// lends itself as one).
 #[derive(Clone, Copy, Debug)]
@@ -23,6 +27,11 @@ pub struct VolumeRef<'a> {
     pub staging_path: Option<&'a Path>,
     pub target_path: &'a Path,
     pub publish_context: &'a BTreeMap<String, String>,
+    /// The claim's epoch, for a plugin that asked for it
+    /// (`cluster.epoch_plugins`): added under `EPOCH_CONTEXT_KEY` to the
+    /// volume context of ControllerPublish and the publish context of
+    /// NodeStage and NodePublish.
+    pub epoch: Option<i64>,
 }
 
 /// The CSI volume capability for a usage. `mount_group` goes only to
@@ -75,7 +84,7 @@ struct RequestFields {
 }
 
 fn request_fields(rec: VolumeRef<'_>, spec: &VolumeSpec, node: bool) -> RequestFields {
-    RequestFields {
+    let mut f = RequestFields {
         volume_id: rec.external_volume_id.to_string(),
         capability: protobuf::MessageField::some(volume_capability(
             rec.usage,
@@ -87,7 +96,16 @@ fn request_fields(rec: VolumeRef<'_>, spec: &VolumeSpec, node: bool) -> RequestF
         volume_context: spec.context.clone().into_iter().collect(),
         publish_context: rec.publish_context.clone().into_iter().collect(),
         staging_target_path: rec.staging_path.map(path_string).unwrap_or_default(),
+    };
+    if let Some(epoch) = rec.epoch {
+        let into = if node {
+            &mut f.publish_context
+        } else {
+            &mut f.volume_context
+        };
+        into.insert(EPOCH_CONTEXT_KEY.to_string(), epoch.to_string());
     }
+    f
 }
 
 fn secrets(spec: &VolumeSpec) -> HashMap<String, String> {

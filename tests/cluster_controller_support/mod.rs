@@ -83,6 +83,8 @@ pub struct NodeSpec {
     pub cluster: Vec<(String, Value)>,
     /// The agent's `csi_call_timeout`, when not the harness's default.
     pub csi_call_timeout: Option<String>,
+    /// The agent's `plugin_wait_timeout`, when not the harness's default.
+    pub plugin_wait_timeout: Option<String>,
     /// More flags for the node's test plugin.
     pub plugin_args: Vec<String>,
     /// Without a controller side: NodeStage requires the publish context
@@ -103,6 +105,7 @@ pub fn host(name: &str, others: &[&str]) -> NodeSpec {
         proxied: false,
         cluster: Vec::new(),
         csi_call_timeout: None,
+        plugin_wait_timeout: None,
         plugin_args: Vec::new(),
         requires_contexts: true,
         fenced_storage: false,
@@ -118,6 +121,7 @@ pub fn node_only(name: &str) -> NodeSpec {
         proxied: false,
         cluster: Vec::new(),
         csi_call_timeout: None,
+        plugin_wait_timeout: None,
         plugin_args: Vec::new(),
         requires_contexts: true,
         fenced_storage: false,
@@ -159,6 +163,11 @@ impl NodeSpec {
 
     pub fn csi_call_timeout(mut self, d: &str) -> NodeSpec {
         self.csi_call_timeout = Some(d.to_string());
+        self
+    }
+
+    pub fn plugin_wait_timeout(mut self, d: &str) -> NodeSpec {
+        self.plugin_wait_timeout = Some(d.to_string());
         self
     }
 
@@ -223,6 +232,9 @@ impl Node {
         config.claim_retry_deadline = "5m".into();
         if let Some(d) = &spec.csi_call_timeout {
             config.csi_call_timeout = d.clone();
+        }
+        if let Some(d) = &spec.plugin_wait_timeout {
+            config.plugin_wait_timeout = d.clone();
         }
         let cluster = config.cluster.as_mut().expect("a cluster section");
         cluster["lease_ttl"] = json!(LEASE_TTL);

@@ -74,6 +74,13 @@ OPTIONS:
                                 path; a file <storage>/abnormal/<volume_id> makes the
                                 volume abnormal, its content the message (without
                                 the flag: UNIMPLEMENTED)
+    --epoch-key KEY             enforce the CO's fencing token: an epoch under KEY in
+                                ControllerPublish's volume_context or NodeStage's and
+                                NodePublish's publish_context must be at least the
+                                newest the storage saw for the volume
+                                (<storage>/epochs/<volume_id>), else
+                                FAILED_PRECONDITION; KEY is taken out before the
+                                --require-contexts checks
     --require-contexts          NodeStage and NodePublish refuse (INVALID_ARGUMENT) a
                                 publish_context other than ControllerPublish's, or a
                                 volume_context other than CreateVolume's
@@ -166,6 +173,8 @@ pub struct Config {
     pub storage: PathBuf,
     /// `--fence-on-unpublish`: see `fencing.rs`.
     pub fence_on_unpublish: bool,
+    /// `--epoch-key`: see `epochs.rs`.
+    pub epoch_key: Option<String>,
     pub faults: Option<PathBuf>,
     pub max_volumes_per_node: i64,
     pub require_contexts: bool,
@@ -217,6 +226,7 @@ impl Config {
             log_starts: false,
             storage: PathBuf::new(),
             fence_on_unpublish: false,
+            epoch_key: None,
             faults: None,
             max_volumes_per_node: 0,
             require_contexts: false,
@@ -257,6 +267,13 @@ impl Config {
                 "--name" => config.name = value("NAME")?,
                 "--call-log" => config.call_log = Some(PathBuf::from(value("PATH")?)),
                 "--faults" => config.faults = Some(PathBuf::from(value("PATH")?)),
+                "--epoch-key" => {
+                    let key = value("KEY")?;
+                    if key.is_empty() {
+                        return Err(usage_error("--epoch-key must not be empty"));
+                    }
+                    config.epoch_key = Some(key);
+                }
                 "--known-nodes" => config.known_nodes = Some(PathBuf::from(value("FILE")?)),
                 "--max-volumes-per-node" => {
                     let v = value("N")?;

@@ -210,6 +210,8 @@ impl Plugin {
             access_mode: format!("{:?}", access_mode(cap)?),
             readonly: req.readonly,
         };
+        let mut volume_context = req.volume_context.clone();
+        self.check_epoch(id, "volume_context", &mut volume_context)?;
         let mut response = ControllerPublishVolumeResponse::new();
         response.publish_context = publish_context(id, node).into_iter().collect();
 

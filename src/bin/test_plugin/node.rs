@@ -171,7 +171,9 @@ impl Plugin {
         self.check_volume(id)?;
         self.check_not_fenced(id)?;
         self.check_attached(id)?;
-        self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        let mut publish_context = req.publish_context.clone();
+        self.check_epoch(id, "publish_context", &mut publish_context)?;
+        self.check_contexts(id, &publish_context, &req.volume_context)?;
         self.apply_mount_group(id, &req.volume_capability)?;
         if !staging.is_dir() {
             return Err(Failure::precondition(format!(
@@ -262,7 +264,9 @@ impl Plugin {
         };
         self.check_volume(id)?;
         self.check_not_fenced(id)?;
-        self.check_contexts(id, &req.publish_context, &req.volume_context)?;
+        let mut publish_context = req.publish_context.clone();
+        self.check_epoch(id, "publish_context", &mut publish_context)?;
+        self.check_contexts(id, &publish_context, &req.volume_context)?;
         self.apply_mount_group(id, &req.volume_capability)?;
         if !self.config.stage {
             self.check_attached(id)?;

@@ -99,6 +99,8 @@ pub struct Plugin {
     /// With `--fence-on-unpublish`: the fencing state in the shared
     /// storage.
     pub fencing: Option<Fencing>,
+    /// `--epoch-key`: the fencing token's check.
+    pub epochs: Option<crate::epochs::Epochs>,
 }
 
 impl Plugin {
@@ -115,9 +117,27 @@ impl Plugin {
                 .fence_on_unpublish
                 .then(|| Fencing::new(&config.storage)),
             stagings: Stagings::new(config.root.join("node.json")),
+            epochs: config
+                .epoch_key
+                .clone()
+                .map(|k| crate::epochs::Epochs::new(k, &config.storage)),
             config,
             path_locks: PathLocks::default(),
             volume_locks: VolumeLocks::default(),
+        }
+    }
+
+    /// The epoch under `--epoch-key` in `ctx`, taken out and checked
+    /// (`epochs.rs`); nothing without the flag.
+    pub fn check_epoch(
+        &self,
+        volume_id: &str,
+        field: &str,
+        ctx: &mut std::collections::HashMap<String, String>,
+    ) -> Outcome<()> {
+        match &self.epochs {
+            Some(e) => e.check(volume_id, field, ctx),
+            None => Ok(()),
         }
     }
 

@@ -287,6 +287,7 @@ pub(super) fn alloc_json(a: &w::AllocStatus) -> Value {
                    "phase": v.phase, "host_path": v.host_path, "read_only": v.read_only,
                    "attachment_mode": v.attachment_mode, "release_state": v.release_state,
                    "release_error": v.release_error, "message": v.message,
+                   "epoch": (v.epoch != 0).then_some(v.epoch),
                    "stats": v.stats.as_ref().map(stats_json)})
         })
         .collect();
@@ -315,7 +316,9 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
         println!("{}", json!({ "allocs": list }));
         return Ok(());
     }
-    let mut rows = vec![vec![
+    // The claim's epoch (cluster mode only): a column when any has one.
+    let epochs = allocs.iter().flat_map(|a| &a.volumes).any(|v| v.epoch != 0);
+    let mut head = vec![
         "ALLOC".to_string(),
         "ALIAS".into(),
         "VOLUME".into(),
@@ -324,8 +327,12 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
         "HOST PATH".into(),
         "RELEASE".into(),
         "USAGE".into(),
-        "NOTE".into(),
-    ]];
+    ];
+    if epochs {
+        head.push("EPOCH".into());
+    }
+    head.push("NOTE".into());
+    let mut rows = vec![head];
     for a in &allocs {
         for v in &a.volumes {
             let abnormal = v
@@ -340,7 +347,7 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
             } else {
                 v.message.clone()
             };
-            rows.push(vec![
+            let mut row = vec![
                 a.id.clone(),
                 v.alias.clone(),
                 v.volume_id.clone(),
@@ -357,8 +364,16 @@ pub(super) fn alloc_status(c: &Call) -> Result<(), CliError> {
                     v.release_state.clone()
                 },
                 usage_cell(v),
-                note,
-            ]);
+            ];
+            if epochs {
+                row.push(if v.epoch == 0 {
+                    "-".into()
+                } else {
+                    v.epoch.to_string()
+                });
+            }
+            row.push(note);
+            rows.push(row);
         }
     }
     print_table(&rows);

@@ -74,26 +74,8 @@ fn snapshot_json(s: &w::Snapshot) -> Value {
            "ready_to_use": s.ready_to_use})
 }
 
-/// `2024-05-01T12:00:00Z` for Unix time `secs` (civil-from-days, Howard
-/// Hinnant's algorithm; no date crate for one column).
 fn utc(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    crate::clock::utc(secs)
 }
 
 fn print_snapshots(snaps: &[w::Snapshot]) {

@@ -1,0 +1,174 @@
+//! This agent's view of the other nodes: which are alive (`nodes/<node>`,
+//! on each node's lease) and their settings (`node-settings/<node>`), kept
+//! by one Range and then one watch on both prefixes (thread `node-view`),
+//! instead of reading both in full on every reaper tick. An idle cluster
+//! then costs each agent its keep-alive and its watches' progress
+//! requests, whatever the number of nodes.
+//!
+//! The view is trusted only while its watch shows it is alive (etcd
+//! answered on the stream within `max_age`, `Watcher::is_fresh`): what
+//! reads a view that is not fresh reads etcd with a Range instead. A
+//! watch that ends (compaction, an error) is replaced by a new Range and a
+//! new watch from that Range's revision.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::disconnect::NodeSettings;
+use crate::etcd::{prefix_end, EtcdClient, KeyValue, WatchEvent};
+use crate::shutdown::Shutdown;
+use crate::threads::Threads;
+
+/// How long the thread waits for an event before it looks at the watch's
+/// freshness and the shutdown again.
+const POLL: Duration = Duration::from_millis(250);
+/// Backoff between attempts to read and watch again after a failure.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// Alive nodes and node settings, as of a fresh watch.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodesSnapshot {
+    pub alive: HashSet<String>,
+    pub settings: BTreeMap<String, NodeSettings>,
+}
+
+#[derive(Default)]
+struct ViewState {
+    nodes: NodesSnapshot,
+    /// When the watch last showed that everything up to then is applied
+    /// (None: no current watch).
+    current_at: Option<Instant>,
+}
+
+pub struct NodeView {
+    state: Arc<Mutex<ViewState>>,
+}
+
+impl NodeView {
+    /// Starts the `node-view` thread on `threads` (which joins it).
+    pub fn start(
+        client: EtcdClient,
+        prefix: &str,
+        shutdown: Shutdown,
+        threads: &mut Threads,
+    ) -> std::io::Result<NodeView> {
+        let state = Arc::new(Mutex::new(ViewState::default()));
+        let keeper = Keeper {
+            client,
+            nodes: format!("{}/nodes/", prefix.trim_end_matches('/')),
+            settings: format!("{}/node-settings/", prefix.trim_end_matches('/')),
+            // One range holds both: `<prefix>/node`.
+            range: format!("{}/node", prefix.trim_end_matches('/')),
+            state: state.clone(),
+            shutdown,
+        };
+        threads.spawn("node-view", move || keeper.run())?;
+        Ok(NodeView { state })
+    }
+
+    /// The view, when its watch showed within `max_age` that it is
+    /// current; None otherwise (read etcd instead).
+    pub fn fresh(&self, max_age: Duration) -> Option<NodesSnapshot> {
+        let s = self.state.lock();
+        let at = s.current_at?;
+        (at.elapsed() < max_age).then(|| s.nodes.clone())
+    }
+}
+
+struct Keeper {
+    client: EtcdClient,
+    nodes: String,
+    settings: String,
+    range: String,
+    state: Arc<Mutex<ViewState>>,
+    shutdown: Shutdown,
+}
+
+impl Keeper {
+    fn run(self) {
+        while !self.shutdown.is_triggered() {
+            if let Err(why) = self.follow() {
+                self.state.lock().current_at = None;
+                log::info!("cluster: node view: {why}; reading again");
+                if !self.shutdown.sleep(RETRY) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// One Range, then the watch from the revision after it, until the
+    /// watch ends or the agent stops.
+    fn follow(&self) -> Result<(), String> {
+        let key = self.range.as_bytes();
+        let end = prefix_end(key);
+        let read = self
+            .client
+            .range(key, &end)
+            .map_err(|e| format!("cannot read the nodes: {e}"))?;
+        let watch = self
+            .client
+            .watch(key, &end, read.revision + 1)
+            .map_err(|e| format!("cannot watch the nodes: {e}"))?;
+        {
+            let mut s = self.state.lock();
+            s.nodes = NodesSnapshot::default();
+            for kv in &read.kvs {
+                self.apply(&mut s.nodes, &WatchEvent::Put(kv.clone()));
+            }
+            // Current as of the read: the watch starts right after it.
+            s.current_at = Some(Instant::now());
+        }
+        while !self.shutdown.is_triggered() {
+            // When etcd last answered, taken before the events are
+            // drained: everything it delivered until then is applied below.
+            let heard = watch.last_heard();
+            let first = watch
+                .recv_timeout(POLL)
+                .map_err(|e| format!("watch ended: {e}"))?;
+            let mut s = self.state.lock();
+            let mut next = first;
+            while let Some(ev) = next {
+                self.apply(&mut s.nodes, &ev);
+                next = watch
+                    .recv_timeout(Duration::ZERO)
+                    .map_err(|e| format!("watch ended: {e}"))?;
+            }
+            s.current_at = Some(heard.max(s.current_at.unwrap_or(heard)));
+        }
+        Ok(())
+    }
+
+    fn apply(&self, nodes: &mut NodesSnapshot, ev: &WatchEvent) {
+        let (kv, put): (&KeyValue, bool) = match ev {
+            WatchEvent::Put(kv) => (kv, true),
+            WatchEvent::Delete(kv) => (kv, false),
+            WatchEvent::Progress { .. } => return,
+        };
+        let key = kv.key_str();
+        if let Some(node) = key.strip_prefix(&self.nodes) {
+            if put {
+                nodes.alive.insert(node.to_string());
+            } else {
+                nodes.alive.remove(node);
+            }
+        } else if let Some(node) = key.strip_prefix(&self.settings) {
+            if !put {
+                nodes.settings.remove(node);
+                return;
+            }
+            match serde_json::from_slice::<NodeSettings>(&kv.value) {
+                Ok(v) => {
+                    nodes.settings.insert(node.to_string(), v);
+                }
+                Err(e) => {
+                    nodes.settings.remove(node);
+                    log::warn!("cluster: {key} is not node settings: {e} (ignored)");
+                }
+            }
+        }
+    }
+}
