@@ -430,6 +430,25 @@ fn a_cut_off_node_lets_go_by_itself_and_the_cluster_detaches_and_frees_it() {
     let by = note["freed_by_node"].as_str().unwrap_or("");
     assert!(by == "h" || by == "b", "{note}");
     assert_eq!(c.keys("freed/"), ["freed/v/p1"]);
+    // The note lives on a lease of `freed_note_retention` (7 days by
+    // default): etcd removes it then.
+    let kv = c
+        .etcd
+        .client()
+        .get(format!("{PREFIX}/freed/v/p1"))
+        .expect("read etcd")
+        .expect("the note");
+    let ttl = c
+        .etcd
+        .client()
+        .lease_time_to_live(kv.lease.expect("the note is on a lease"))
+        .expect("read the lease")
+        .expect("a live lease");
+    let week = Duration::from_secs(7 * 86_400);
+    assert!(
+        ttl <= week && ttl + Duration::from_secs(3600) > week,
+        "{ttl:?}"
+    );
 
     // The link heals: a finishes its release; no claim of a comes back,
     // b's attachment stays.

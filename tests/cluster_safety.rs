@@ -714,3 +714,58 @@ fn a_restored_mount_waiting_for_a_held_claim_does_not_hold_the_api() {
         b.volume_status("q1")["phase"] == "published"
     });
 }
+
+// ---- node remove ------------------------------------------------------------------
+
+/// `node remove` forgets a node gone for good only once nothing of it is
+/// left: refused while it is alive, for the agent's own node, and while it
+/// holds claims; then its settings go (every reaper stops looking at it).
+#[test]
+fn node_remove_forgets_a_gone_node_only_once_nothing_of_it_is_left() {
+    let mut c = Cluster::start(vec![
+        nfs_node("a").stop_after_disconnect(STOP_AFTER),
+        nfs_node("b").stop_after_disconnect(STOP_AFTER),
+    ]);
+    c.add_volume(&volume());
+    c.node("b").mount_ok("q1", "data=v");
+    let refused =
+        |c: &Cluster, args: &[&str]| c.node("a").agent.cli(args).expect_code(EXIT_FAILED).stderr;
+    let e = refused(&c, &["node", "remove", "b"]);
+    assert!(e.contains("node b is alive"), "{e}");
+    let e = refused(&c, &["node", "remove", "a"]);
+    assert!(e.contains("this agent's own node"), "{e}");
+    c.node_mut("b").agent.kill();
+    c.wait_gone("b");
+    let e = refused(&c, &["node", "remove", "b"]);
+    assert!(
+        e.contains("node b still holds claims of v")
+            && e.contains("claimd volume detach VOLUME --node b"),
+        "{e}"
+    );
+    assert!(c.get_json("node-settings/b").is_some());
+    c.node("a")
+        .agent
+        .cli(&[
+            "volume",
+            "detach",
+            "v",
+            "--node",
+            "b",
+            "--reason",
+            "gone for good",
+        ])
+        .ok();
+    let out = c
+        .node("a")
+        .agent
+        .cli(&["node", "remove", "b", "--json"])
+        .ok()
+        .json();
+    assert_eq!(out["removed_keys"], json!(["node-settings/b"]), "{out}");
+    assert!(c.get_json("node-settings/b").is_none());
+    assert!(c
+        .keys("node-settings/")
+        .contains(&"node-settings/a".to_string()));
+    let e = refused(&c, &["node", "remove", "b"]);
+    assert!(e.contains("knows nothing of node b"), "{e}");
+}

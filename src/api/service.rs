@@ -452,6 +452,34 @@ impl grpc::Claimd for Service {
         });
     }
 
+    fn remove_node(
+        &mut self,
+        ctx: RpcContext<'_>,
+        req: w::RemoveNodeRequest,
+        sink: UnarySink<w::RemoveNodeResponse>,
+    ) {
+        self.run(&ctx, "remove-node", sink, move |s| {
+            use crate::claims::RemoveNodeError as R;
+            use crate::lifecycle::NodeRemoveError as E;
+            let removed = s.lifecycle.remove_node(&req.node).map_err(|e| {
+                let code = match &e {
+                    E::Invalid(_) => RpcStatusCode::INVALID_ARGUMENT,
+                    E::NotCluster
+                    | E::ThisNode { .. }
+                    | E::Remove(R::Alive { .. } | R::HoldsClaims { .. }) => {
+                        RpcStatusCode::FAILED_PRECONDITION
+                    }
+                    E::Remove(R::Unknown { .. }) => RpcStatusCode::NOT_FOUND,
+                    E::Remove(R::Store(_)) => RpcStatusCode::UNAVAILABLE,
+                };
+                status(code, crate::error_chain(&e))
+            })?;
+            let mut r = w::RemoveNodeResponse::new();
+            r.removed_keys = removed;
+            Ok(r)
+        });
+    }
+
     fn create_volume(
         &mut self,
         ctx: RpcContext<'_>,

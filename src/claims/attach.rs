@@ -294,6 +294,10 @@ fn failed(rec: &AttachmentRecord) -> AttachError {
 }
 
 impl RemoteControllers for EtcdClaims {
+    fn remove_node(&self, node: &str) -> Result<Vec<String>, super::remote::RemoveNodeError> {
+        EtcdClaims::remove_node(self, node)
+    }
+
     fn hosts(&self) -> Result<Vec<(ControllerHostRecord, bool)>, ClaimError> {
         let alive = self.alive_nodes()?;
         Ok(self

@@ -33,7 +33,7 @@ pub use etcd::EtcdClaims;
 pub use reconcile::Reconciled;
 pub use remote::{
     AttachError, AttachRequest, ControllerHostRecord, NodeDetach, RemoteController,
-    RemoteControllers,
+    RemoteControllers, RemoveNodeError,
 };
 pub use rules::check_claim;
 

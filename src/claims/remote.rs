@@ -226,6 +226,56 @@ pub trait RemoteControllers: Send + Sync {
         wait: Duration,
         shutdown: &Shutdown,
     ) -> Result<NodeDetach, AttachError>;
+    /// See `EtcdClaims::remove_node`.
+    fn remove_node(&self, node: &str) -> Result<Vec<String>, RemoveNodeError>;
+}
+
+/// Why a node cannot be removed.
+#[derive(Debug)]
+pub enum RemoveNodeError {
+    /// Its liveness key exists: it is alive.
+    Alive {
+        node: String,
+    },
+    /// It still holds claims: they must be freed first.
+    HoldsClaims {
+        node: String,
+        volumes: Vec<String>,
+    },
+    /// Nothing of that node is known.
+    Unknown {
+        node: String,
+    },
+    Store(ClaimError),
+}
+
+impl fmt::Display for RemoveNodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RemoveNodeError::Alive { node } => write!(
+                f,
+                "node {node} is alive (its liveness lease is held): stop its agent first"
+            ),
+            RemoveNodeError::HoldsClaims { node, volumes } => write!(
+                f,
+                "node {node} still holds claims of {}: free them first with `claimd volume detach VOLUME --node {node} --reason ...`",
+                volumes.join(", ")
+            ),
+            RemoveNodeError::Unknown { node } => {
+                write!(f, "the cluster knows nothing of node {node}")
+            }
+            RemoveNodeError::Store(_) => f.write_str("the cluster cannot be asked now"),
+        }
+    }
+}
+
+impl std::error::Error for RemoveNodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RemoveNodeError::Store(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 pub fn now_ms() -> u64 {

@@ -416,6 +416,44 @@ impl std::error::Error for FreeClaimError {
 
 /// Why `volume detach --node` refused or failed.
 #[derive(Debug)]
+pub enum NodeRemoveError {
+    /// A node name that is not a plain name.
+    Invalid(String),
+    /// One node: there is no cluster to forget a node in.
+    NotCluster,
+    /// The node asked is this agent's own.
+    ThisNode {
+        node: String,
+    },
+    Remove(crate::claims::RemoveNodeError),
+}
+
+impl fmt::Display for NodeRemoveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NodeRemoveError::Invalid(why) => f.write_str(why),
+            NodeRemoveError::NotCluster => {
+                f.write_str("node remove needs cluster mode (a `cluster` section in the config)")
+            }
+            NodeRemoveError::ThisNode { node } => write!(
+                f,
+                "{node} is this agent's own node: it cannot remove itself"
+            ),
+            NodeRemoveError::Remove(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for NodeRemoveError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NodeRemoveError::Remove(e) => std::error::Error::source(e),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
 pub enum NodeDetachError {
     NoReason,
     /// A volume ID or node name that is not a plain name.

@@ -37,8 +37,8 @@ use parking_lot::Mutex;
 use self::core::Core;
 pub use self::core::{LifecycleOptions, CLAIM_BACKOFF, CSI_BACKOFF};
 pub use error::{
-    FreeClaimError, MountError, NodeDetachError, ReleaseError, StepError, VolumeOpError,
-    VolumeRegistryError,
+    FreeClaimError, MountError, NodeDetachError, NodeRemoveError, ReleaseError, StepError,
+    VolumeOpError, VolumeRegistryError,
 };
 pub use mount::{MountedVolume, ROLLBACK_WAIT};
 pub use progress::ReleaseState;
@@ -231,6 +231,23 @@ impl Lifecycle {
                 &self.core.shutdown,
             )
             .map_err(NodeDetachError::Attach)
+    }
+
+    /// Cluster mode: forgets a node gone for good (`claimd node remove`);
+    /// the keys removed.
+    pub fn remove_node(&self, node: &str) -> Result<Vec<String>, NodeRemoveError> {
+        crate::ids::check_id("node", node).map_err(|e| NodeRemoveError::Invalid(e.to_string()))?;
+        let remote = self
+            .core
+            .claims
+            .remote_controllers()
+            .ok_or(NodeRemoveError::NotCluster)?;
+        if node == self.core.opts.node_name {
+            return Err(NodeRemoveError::ThisNode {
+                node: node.to_string(),
+            });
+        }
+        remote.remove_node(node).map_err(NodeRemoveError::Remove)
     }
 
     /// Cluster mode: whether `node`'s liveness key exists; None on one node.

@@ -1,4 +1,4 @@
-//! `claimd claim list` and `claimd claim free`.
+//! `claimd claim list`, `claimd claim free` and `claimd node remove`.
 
 use super::*;
 
@@ -147,4 +147,26 @@ fn since(ms: u64) -> String {
         3600..=86399 => format!("{}h ago", secs / 3600),
         _ => format!("{}d ago", secs / 86400),
     }
+}
+
+pub(super) fn node_remove(c: &Call) -> Result<(), CliError> {
+    let args = c.positional(1)?;
+    let Some(node) = args.first() else {
+        return Err(c.usage("node remove needs a node name"));
+    };
+    let mut req = w::RemoveNodeRequest::new();
+    req.node = node.to_string();
+    let api = c.connect()?;
+    let r = api.call("node remove", QUICK_CALL_TIMEOUT, |a, o| {
+        a.remove_node(&req, o)
+    })?;
+    if c.json() {
+        println!(
+            "{}",
+            json!({"node": req.node, "removed_keys": r.removed_keys})
+        );
+    } else {
+        println!("node {} removed ({})", req.node, r.removed_keys.join(", "));
+    }
+    Ok(())
 }

@@ -232,8 +232,29 @@ OPTIONS:
     ],
 };
 
+pub const NODE: Noun = Noun {
+    name: "node",
+    about: "forget a node that is gone for good (cluster mode)",
+    verbs: &[Verb {
+        name: "remove",
+        args: "NODE",
+        about: "remove a gone node's settings from the cluster",
+        details: "\
+Forgets NODE, a node that is gone for good: deletes its settings
+(<prefix>/node-settings/NODE, which every agent's reaper watches) and its
+reaper lock, so the cluster stops looking at it. Refused (exit 1) while
+NODE is alive (its liveness lease is held), while it still holds claims
+(free them first with `claimd volume detach VOLUME --node NODE --reason
+TEXT`), for this agent's own node, and on one node. A node that comes
+back writes its settings again when it registers. --json prints
+{\"node\", \"removed_keys\"}.
+",
+        run: node_remove,
+    }],
+};
+
 /// Every client noun, in help order.
-pub const NOUNS: [&Noun; 5] = [&VOLUME, &SNAPSHOT, &ALLOC, &PLUGIN, &CLAIM];
+pub const NOUNS: [&Noun; 6] = [&VOLUME, &SNAPSHOT, &ALLOC, &PLUGIN, &CLAIM, &NODE];
 
 /// The verbless client command called `name` (`metrics`, `health`).
 pub fn single(name: &str) -> Option<&'static Single> {

@@ -1,0 +1,362 @@
+//! Changes of this node's claims in etcd: take, update, free, each by
+//! `Txn` with revision compares (see the parent module).
+
+use super::*;
+use crate::etcd::{Compare, CompareOp, TxnOp};
+
+impl EtcdClaims {
+    /// A new claim of `req`, held by this node and instance.
+    pub(super) fn new_claim(&self, req: &ClaimRequest) -> StoredClaim {
+        StoredClaim {
+            claim: Claim {
+                volume_id: req.volume_id.clone(),
+                alloc_id: req.alloc_id.clone(),
+                node: req.node.clone(),
+                mode: req.mode,
+                access_mode: req.access_mode,
+                external_node_id: req.external_node_id.clone(),
+                publish_context: Default::default(),
+                state: ClaimState::Taken,
+                since_ms: Some(now_ms()),
+                last_error: None,
+            },
+            taken_at_ms: now_ms(),
+            instance: self.instance().map(str::to_string),
+        }
+    }
+
+    /// A new claim written by `t` (at its revision): remembered as taken.
+    pub(super) fn took(
+        &self,
+        req: &ClaimRequest,
+        key: String,
+        stored: StoredClaim,
+        t: &crate::etcd::TxnResponse,
+        lease: Option<crate::etcd::LeaseId>,
+    ) {
+        self.epochs.lock().insert(key.clone(), t.revision);
+        self.known.lock().insert(key, (t.revision, stored));
+        self.confirmed(&req.volume_id, &req.alloc_id, lease);
+    }
+
+    /// Takes the claim: one `Txn` when the volume has no claim yet (it
+    /// takes it, or reads what is there), else a read and a `Txn` that
+    /// holds only while nothing of the volume's claims changed since.
+    pub(super) fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
+        let prefix = self.volume_prefix(&req.volume_id);
+        let lease = self.lease_before();
+        let key = self.key(&req.volume_id, &req.alloc_id);
+        let mut read = {
+            let stored = self.new_claim(req);
+            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            let t = self
+                .client
+                .txn(
+                    &[Compare::prefix_empty(prefix.clone())],
+                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::get_prefix(prefix.clone())],
+                )
+                .map_err(unavailable)?;
+            if t.succeeded {
+                // Every claim this process writes from now on has a later
+                // revision than the one before this one.
+                let _ = self.first_take_read.compare_exchange(
+                    0,
+                    t.revision - 1,
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                self.took(req, key, stored, &t, lease);
+                return Ok(());
+            }
+            Some(read_of(t)?)
+        };
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let r = match read.take() {
+                Some(r) => r,
+                None => self.client.range_prefix(&prefix).map_err(unavailable)?,
+            };
+            self.take_reads
+                .lock()
+                .insert(req.volume_id.clone(), r.revision);
+            let _ = self.first_take_read.compare_exchange(
+                0,
+                r.revision,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            );
+            let mut others = Vec::new();
+            let mut changed = false;
+            for kv in &r.kvs {
+                let stored = parse(kv)?;
+                let c = stored.claim.clone();
+                if c.alloc_id != req.alloc_id {
+                    others.push(c);
+                    continue;
+                }
+                if c.node == req.node && self.other_instance(&stored) {
+                    return Err(ClaimError::Impossible {
+                        volume_id: req.volume_id.clone(),
+                        reason: format!(
+                            "allocation {} holds it on node {} under another instance of that name (a replaced machine, or a new state directory): free it with `claimd claim free` once the old instance is known to be gone",
+                            req.alloc_id, c.node
+                        ),
+                    });
+                }
+                if c.mode == req.mode && c.access_mode == req.access_mode && c.node == req.node {
+                    // This allocation holds it already (a mount asked
+                    // again, maybe after a crash): confirm it with a fresh
+                    // time and revision, so a reconciliation that read it
+                    // before cannot free it under this mount.
+                    let fresh = StoredClaim {
+                        taken_at_ms: now_ms(),
+                        ..stored
+                    };
+                    let value = serde_json::to_vec(&fresh).expect("a claim always encodes");
+                    let same =
+                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
+                    let t = self
+                        .client
+                        .txn(&[same], &[TxnOp::put(kv.key.clone(), value)], &[])
+                        .map_err(unavailable)?;
+                    if t.succeeded {
+                        self.known
+                            .lock()
+                            .insert(kv.key_str().into_owned(), (t.revision, fresh));
+                        self.epochs
+                            .lock()
+                            .insert(kv.key_str().into_owned(), kv.create_revision);
+                        self.confirmed(&req.volume_id, &req.alloc_id, lease);
+                        return Ok(());
+                    }
+                    // Changed meanwhile (freed by hand, say): read again.
+                    changed = true;
+                    break;
+                }
+                return Err(ClaimError::Impossible {
+                    volume_id: req.volume_id.clone(),
+                    reason: format!(
+                        "allocation {} already holds it with another mode ({} {} on node {})",
+                        req.alloc_id,
+                        c.mode.name(),
+                        c.access_mode,
+                        c.node
+                    ),
+                });
+            }
+            if changed {
+                continue;
+            }
+            check_claim(req, &others.iter().collect::<Vec<_>>())?;
+            let stored = self.new_claim(req);
+            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+            // Nothing of this volume's claims changed since the read; if
+            // something did, the same round trip reads it again.
+            let unchanged =
+                Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
+                    .with_prefix();
+            let t = self
+                .client
+                .txn(
+                    &[unchanged],
+                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::get_prefix(prefix.clone())],
+                )
+                .map_err(unavailable)?;
+            if t.succeeded {
+                // A new key: created at the transaction's revision.
+                self.took(req, key, stored, &t, lease);
+                return Ok(());
+            }
+            read = Some(read_of(t)?);
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!(
+                "the claims of volume {} kept changing while this node tried to take one",
+                req.volume_id
+            ),
+        })
+    }
+
+    /// Deletes the claim; with `holder`, only while that node holds it (one
+    /// `Txn` when it is as this node last wrote it). A claim another node
+    /// holds under the same allocation ID is left alone; a value that is
+    /// not a claim is never deleted.
+    pub(super) fn free(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        holder: Option<&str>,
+    ) -> Result<(), ClaimError> {
+        let key = self.key(volume_id, alloc_id);
+        if let Some(f) = &self.fencing {
+            f.forget(volume_id, alloc_id);
+        }
+        let epoch = self
+            .epochs
+            .lock()
+            .remove(&key)
+            .or_else(|| self.recorded_epoch(volume_id, alloc_id));
+        let Some(holder) = holder else {
+            self.client.delete_range(&key, "").map_err(unavailable)?;
+            self.known.lock().remove(&key);
+            return Ok(());
+        };
+        let known = self.known.lock().get(&key).map(|(rev, _)| *rev);
+        if let Some(revision) = known {
+            if self.delete_if_unchanged(&key, revision)? {
+                return Ok(());
+            }
+        } else if let Some(epoch) = epoch {
+            // Not written by this process (after a restart): the claim this
+            // node took is the key created at its epoch; one Txn deletes it,
+            // or reads what is there instead.
+            let ours = Compare::create_revision(key.as_bytes(), CompareOp::Equal, epoch);
+            let t = self
+                .client
+                .txn(
+                    &[ours],
+                    &[TxnOp::delete(key.as_bytes())],
+                    &[TxnOp::get(key.as_bytes())],
+                )
+                .map_err(unavailable)?;
+            let gone = matches!(
+                t.responses.first(),
+                Some(crate::etcd::TxnOpResponse::Range(r)) if r.kvs.is_empty()
+            );
+            if t.succeeded || gone {
+                return Ok(());
+            }
+        }
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
+                self.known.lock().remove(&key);
+                return Ok(());
+            };
+            let stored = parse(&kv)?;
+            if self.other_instance(&stored) {
+                log::info!(
+                    "cluster: claim {key} is held under node name {holder} by another instance: left alone"
+                );
+                self.known.lock().remove(&key);
+                return Ok(());
+            }
+            if stored.claim.node != holder {
+                log::info!(
+                    "cluster: claim {key} is held by node {} now, not {holder}: left alone",
+                    stored.claim.node
+                );
+                self.known.lock().remove(&key);
+                return Ok(());
+            }
+            if self.delete_if_unchanged(&key, kv.mod_revision)? {
+                return Ok(());
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("claim {key} kept changing"),
+        })
+    }
+
+    /// The epoch this node's record of the allocation's volume keeps (from
+    /// its take, in an earlier run).
+    pub(super) fn recorded_epoch(&self, volume_id: &str, alloc_id: &str) -> Option<i64> {
+        self.state.read(|s| {
+            s.allocs
+                .get(alloc_id)?
+                .volumes
+                .values()
+                .find_map(|v| (v.volume_id == volume_id).then_some(v.epoch).flatten())
+        })
+    }
+
+    pub(super) fn delete_if_unchanged(&self, key: &str, revision: i64) -> Result<bool, ClaimError> {
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
+        let t = self
+            .client
+            .txn(&[same], &[TxnOp::delete(key.as_bytes())], &[])
+            .map_err(unavailable)?;
+        self.known.lock().remove(key);
+        Ok(t.succeeded)
+    }
+
+    /// Changes this allocation's claim, if it is held: false when it is
+    /// not (a claim not held has nothing to change). One `Txn` when the
+    /// claim is as this node last wrote it.
+    pub(super) fn update(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        f: impl Fn(&mut Claim),
+    ) -> Result<bool, ClaimError> {
+        let key = self.key(volume_id, alloc_id);
+        let known = self.known.lock().get(&key).cloned();
+        if let Some((revision, mut stored)) = known {
+            f(&mut stored.claim);
+            if self.put_if_unchanged(&key, revision, &stored)? {
+                return Ok(true);
+            }
+        }
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
+                self.known.lock().remove(&key);
+                return Ok(false);
+            };
+            let mut stored = parse(&kv)?;
+            if (!self.node.is_empty() && stored.claim.node != self.node)
+                || self.other_instance(&stored)
+            {
+                // The same allocation ID held on another node by now.
+                self.known.lock().remove(&key);
+                return Ok(false);
+            }
+            f(&mut stored.claim);
+            if self.put_if_unchanged(&key, kv.mod_revision, &stored)? {
+                return Ok(true);
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("claim {key} kept changing"),
+        })
+    }
+
+    /// Writes the claim if its key is still at `revision`; remembers it.
+    pub(super) fn put_if_unchanged(
+        &self,
+        key: &str,
+        revision: i64,
+        stored: &StoredClaim,
+    ) -> Result<bool, ClaimError> {
+        let value = serde_json::to_vec(stored).expect("a claim always encodes");
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
+        let t = self
+            .client
+            .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
+            .map_err(unavailable)?;
+        let mut known = self.known.lock();
+        if t.succeeded {
+            known.insert(key.to_string(), (t.revision, stored.clone()));
+        } else {
+            known.remove(key);
+        }
+        Ok(t.succeeded)
+    }
+}
+
+/// The read of the failure branch of a take's `Txn`, at its revision.
+fn read_of(t: crate::etcd::TxnResponse) -> Result<crate::etcd::RangeResponse, ClaimError> {
+    let revision = t.revision;
+    match t.responses.into_iter().next() {
+        Some(crate::etcd::TxnOpResponse::Range(mut r)) => {
+            r.revision = revision;
+            Ok(r)
+        }
+        _ => Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: "a take's transaction answered without the read it asked for".to_string(),
+        }),
+    }
+}

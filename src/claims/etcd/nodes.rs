@@ -1,0 +1,90 @@
+//! Forgetting a node that is gone for good (`claimd node remove`): its
+//! settings stop the reaper from looking at it, so they go only once
+//! nothing of the node is left to act on.
+
+use super::*;
+use crate::claims::remote::RemoveNodeError;
+use crate::etcd::{CompareOp, TxnOpResponse};
+
+impl EtcdClaims {
+    /// Deletes `node-settings/<node>` and `reaper-locks/<node>` in one
+    /// `Txn` that holds only while the node's liveness key is absent and no
+    /// claim changed since the read that found none of the node's claims;
+    /// the keys deleted (relative to the prefix).
+    pub fn remove_node(&self, node: &str) -> Result<Vec<String>, RemoveNodeError> {
+        let store = |e| RemoveNodeError::Store(unavailable(e));
+        let liveness = node_key(&self.prefix, node);
+        let alive = || RemoveNodeError::Alive {
+            node: node.to_string(),
+        };
+        if self.client.get(&liveness).map_err(store)?.is_some() {
+            return Err(alive());
+        }
+        let claims = self.client.range_prefix(self.all_prefix()).map_err(store)?;
+        let mut volumes: Vec<String> = claims
+            .kvs
+            .iter()
+            .filter_map(|kv| parse(kv).ok())
+            .filter(|c| c.claim.node == node)
+            .map(|c| c.claim.volume_id)
+            .collect();
+        volumes.sort();
+        volumes.dedup();
+        if !volumes.is_empty() {
+            return Err(RemoveNodeError::HoldsClaims {
+                node: node.to_string(),
+                volumes,
+            });
+        }
+        let rel = [
+            format!("node-settings/{node}"),
+            format!("reaper-locks/{node}"),
+        ];
+        let unchanged = Compare::mod_revision(
+            self.all_prefix().into_bytes(),
+            CompareOp::Less,
+            claims.revision + 1,
+        )
+        .with_prefix();
+        let deletes: Vec<TxnOp> = rel
+            .iter()
+            .map(|k| TxnOp::delete(format!("{}/{k}", self.prefix)))
+            .collect();
+        let t = self
+            .client
+            .txn(
+                &[Compare::absent(liveness.clone()), unchanged],
+                &deletes,
+                &[TxnOp::get(liveness)],
+            )
+            .map_err(store)?;
+        if !t.succeeded {
+            let now_alive = matches!(
+                t.responses.first(),
+                Some(TxnOpResponse::Range(r)) if !r.kvs.is_empty()
+            );
+            return Err(if now_alive {
+                alive()
+            } else {
+                RemoveNodeError::Store(ClaimError::Unavailable {
+                    store: "etcd".to_string(),
+                    reason: "the claims changed while the node was being removed: try again"
+                        .to_string(),
+                })
+            });
+        }
+        let removed: Vec<String> = rel
+            .into_iter()
+            .zip(&t.responses)
+            .filter(|(_, r)| matches!(r, TxnOpResponse::Delete(d) if d.deleted > 0))
+            .map(|(k, _)| k)
+            .collect();
+        if removed.is_empty() {
+            return Err(RemoveNodeError::Unknown {
+                node: node.to_string(),
+            });
+        }
+        log::warn!("cluster: node {node} removed: {}", removed.join(", "));
+        Ok(removed)
+    }
+}
