@@ -5,14 +5,18 @@
 //! (1) a record written by a holder after another holder's first record of
 //!     the same single-writer volume (the order of the lines in the
 //!     volume's file decides);
-//! (2) two holders with one single-writer volume published at once (mount
-//!     table samples, or the call logs' NodePublish..NodeUnpublish
-//!     intervals) without a ControllerUnpublish of the older one between;
+//! (2) two read-write holders with one single-writer volume published at
+//!     once (mount table samples, or the call logs' NodePublish..
+//!     NodeUnpublish intervals) without a ControllerUnpublish of the older
+//!     one between (read-only holders of a multi-node-single-writer volume
+//!     are left out: they may sit next to its writer);
 //! (3) after heal and settle: a mount without its claim, a claim without a
 //!     local record on its node, a local record without its claim;
 //! (4) an acknowledged allocation that ended neither mounted (record,
 //!     claim and target) nor released (none of them left, its target
-//!     unpublished by a NodeUnpublish); a released one with something left.
+//!     unpublished by a NodeUnpublish); a released one with something left;
+//! (5) in `evidence.rs`: what readers saw and when holders read or wrote,
+//!     against the records files at the end and the claims' lives in etcd.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;

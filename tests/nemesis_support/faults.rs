@@ -1,15 +1,31 @@
-//! The fault schedule: one fault at a time, each chosen, aimed and timed by
-//! the seed, injected, held for its seed-chosen time, then undone.
+//! The fault schedule. Each round draws its fault (kind, target, times)
+//! from the seed; with a seed-chosen chance a second fault overlaps it (a
+//! link cut of one agent while another is SIGSTOPped, a leader kill during
+//! a member isolation, a member isolated while an agent restarts, ...).
+//! A fault is a list of timed steps (inject, later undo); the steps of a
+//! round's faults run merged in time order, and every fault of a round is
+//! undone before the next round and before `run` returns, so everything is
+//! healed before the settle phase.
+//!
+//! Repeatable: every round draws the same number of values whatever it
+//! turns out to be, from two streams: the first draws what the rounds drew
+//! before overlaps existed (so a seed keeps its primary faults), the
+//! second whether an agent kill also loses its unsynced state writes
+//! (`power_cut.rs`) and the overlapping fault. Outcomes still depend on
+//! timing: a step runs late when the one before it took long (an etcd
+//! member's restart waits until it serves, a power cut waits for a state
+//! write to catch), and restarted agents are waited for at the round's end.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::etcd_cluster::EtcdCluster;
 use super::nodes::{all_threads_stopped, Node};
+use super::power_cut::{self, LossPlan};
 use super::proxy::Cut;
 use super::rng::Rng;
 use super::workload::Shared;
@@ -18,6 +34,13 @@ use crate::common::wait_until;
 
 /// How long a SIGSTOPped agent may take to show every thread stopped.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The chance (percent) that a round has a second, overlapping fault.
+const OVERLAP_PERCENT: u64 = 40;
+/// The chance (percent) that an agent kill is a power cut that loses the
+/// state writes the design allows to lose.
+const LOSS_PERCENT: u64 = 50;
+/// How often the executor looks at due steps and restarting agents.
+const TICK: Duration = Duration::from_millis(10);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Kind {
@@ -46,6 +69,11 @@ impl Kind {
             Kind::SlowController => "slow-controller",
         }
     }
+
+    /// Whether it acts on one node (agent, plugin or link).
+    fn on_node(self) -> bool {
+        !matches!(self, Kind::MemberIsolate | Kind::LeaderKill)
+    }
 }
 
 /// What the schedule is made of.
@@ -56,21 +84,87 @@ pub struct Plan {
     pub window_ms: u64,
 }
 
+/// The values one fault is made from (drawn every round, used or not).
+#[derive(Clone, Copy, Debug)]
+struct Draw {
+    kind: Kind,
+    node: usize,
+    member: usize,
+    d1: u64,
+    d2: u64,
+    /// An agent kill in it loses state writes (`loss`).
+    lossy: bool,
+    loss: u64,
+}
+
+/// One step of a fault.
+#[derive(Clone, Debug)]
+enum Action {
+    /// Keeps a copy of the node's lease clock (what a power cut may set
+    /// it back to).
+    CopyLeaseClock(usize),
+    KillAgent(usize),
+    /// SIGKILL at a moment a state write is in flight if one comes, and
+    /// lose what the design allows to lose (`power_cut.rs`).
+    PowerCut(usize, LossPlan),
+    StartAgent(usize),
+    Freeze(usize, bool),
+    Thaw(usize, bool),
+    CutLink(usize, Cut),
+    HealLink(usize),
+    Isolate(usize),
+    HealEtcd,
+    KillLeader,
+    RestartLeader,
+    KillPlugin(usize),
+    StartPlugin(usize),
+    SetSlow(usize, Value),
+    ClearSlow(usize),
+}
+
+impl Action {
+    fn name(&self) -> &'static str {
+        match self {
+            Action::CopyLeaseClock(_) => "copy-lease-clock",
+            Action::KillAgent(_) => "kill-agent",
+            Action::PowerCut(..) => "power-cut",
+            Action::StartAgent(_) => "start-agent",
+            Action::Freeze(..) => "sigstop",
+            Action::Thaw(..) => "sigcont",
+            Action::CutLink(..) => "cut-link",
+            Action::HealLink(_) => "heal-link",
+            Action::Isolate(_) => "isolate-member",
+            Action::HealEtcd => "heal-members",
+            Action::KillLeader => "kill-leader",
+            Action::RestartLeader => "restart-member",
+            Action::KillPlugin(_) => "kill-plugin",
+            Action::StartPlugin(_) => "start-plugin",
+            Action::SetSlow(..) => "slow-controller-on",
+            Action::ClearSlow(_) => "slow-controller-off",
+        }
+    }
+}
+
+/// A fault as timed steps (ms from its own start), and its event.
+struct Fault {
+    steps: Vec<(u64, Action)>,
+    ev: Value,
+    name: String,
+    node: Option<usize>,
+    /// The leader it killed, to restart.
+    killed: Option<usize>,
+    lease_clock: Option<Vec<u8>>,
+}
+
+impl Fault {
+    fn span(&self) -> u64 {
+        self.steps.iter().map(|(t, _)| *t).max().unwrap_or(0)
+    }
+}
+
 fn hold(ms: u64) {
     // A pause that is part of the schedule (its length is the seed's).
     thread::sleep(Duration::from_millis(ms));
-}
-
-/// Starts a killed agent again; records how long it took to listen, or
-/// that it did not.
-fn start_agent(shared: &Shared, n: &mut Node, ev: &mut serde_json::Value) {
-    match n.start_again() {
-        Ok(d) => ev["listening_after_ms"] = json!(d.as_millis()),
-        Err(e) => {
-            ev["error"] = json!(e);
-            shared.crashes.lock().expect("crashes lock").push(e);
-        }
-    }
 }
 
 /// Restarts (and reports) every agent that exited on its own.
@@ -88,155 +182,412 @@ pub fn revive_crashed(shared: &Shared, nodes: &mut [Node]) {
     }
 }
 
+fn draw(
+    rng: &mut Rng,
+    plan: &Plan,
+    nodes: usize,
+    members: usize,
+) -> (Kind, usize, usize, u64, u64) {
+    let kind = *rng.pick(&plan.kinds);
+    let ni = rng.index(nodes);
+    let mi = rng.index(members);
+    (kind, ni, mi, rng.next_u64(), rng.next_u64())
+}
+
+/// Builds the steps of one fault; None when it cannot run (no host).
+fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
+    let (ttl, w) = (plan.lease_ttl_ms, plan.window_ms);
+    let pick = |lo: u64, hi: u64, r: u64| lo + r % (hi - lo + 1);
+    let node = nodes[d.node].name.clone();
+    let mut name = d.kind.name().to_string();
+    let mut ev = json!({"kind": "fault", "start_ms": start_ms});
+    let mut target = Some(d.node);
+    let steps = match d.kind {
+        Kind::AgentKill => {
+            let down = pick(0, ttl + w + 3000, d.d1);
+            ev["node"] = json!(node);
+            ev["down_ms"] = json!(down);
+            if d.lossy {
+                let loss = LossPlan::from_draw(d.loss);
+                name = "agent-power-cut".into();
+                let at = loss.clock_age_ms;
+                let up = at + loss.catch_ms + down;
+                vec![
+                    (0, Action::CopyLeaseClock(d.node)),
+                    (at, Action::PowerCut(d.node, loss)),
+                    (up, Action::StartAgent(d.node)),
+                ]
+            } else {
+                vec![
+                    (0, Action::KillAgent(d.node)),
+                    (down, Action::StartAgent(d.node)),
+                ]
+            }
+        }
+        Kind::AgentStop | Kind::AgentStopWithWorkload => {
+            let with = d.kind == Kind::AgentStopWithWorkload;
+            let held = ttl + w + pick(500, 3000, d.d1);
+            ev["node"] = json!(node);
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::Freeze(d.node, with)),
+                (held, Action::Thaw(d.node, with)),
+            ]
+        }
+        Kind::LinkCut => {
+            let how = *[Cut::Both, Cut::Up, Cut::Down]
+                .get(usize::try_from(d.d2 % 3).expect("fits"))
+                .expect("one of three");
+            let held = pick(500, ttl + w + 3000, d.d1);
+            ev["node"] = json!(node);
+            ev["cut"] = json!(how.name());
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::CutLink(d.node, how)),
+                (held, Action::HealLink(d.node)),
+            ]
+        }
+        Kind::CutAndRestart => {
+            let before = pick(300, ttl + w, d.d1);
+            let after = pick(300, ttl + w + 2000, d.d2);
+            ev["node"] = json!(node);
+            ev["before_restart_ms"] = json!(before);
+            ev["after_restart_ms"] = json!(after);
+            if d.lossy {
+                let loss = LossPlan::from_draw(d.loss);
+                name = "link-cut-and-power-cut".into();
+                let at = loss.clock_age_ms;
+                let cut_at = at + before;
+                let up = cut_at + loss.catch_ms;
+                vec![
+                    (0, Action::CopyLeaseClock(d.node)),
+                    (at, Action::CutLink(d.node, Cut::Both)),
+                    (cut_at, Action::PowerCut(d.node, loss)),
+                    (up, Action::StartAgent(d.node)),
+                    (up + after, Action::HealLink(d.node)),
+                ]
+            } else {
+                vec![
+                    (0, Action::CutLink(d.node, Cut::Both)),
+                    (before, Action::KillAgent(d.node)),
+                    (before, Action::StartAgent(d.node)),
+                    (before + after, Action::HealLink(d.node)),
+                ]
+            }
+        }
+        Kind::MemberIsolate => {
+            let held = pick(1000, 8000, d.d1);
+            target = None;
+            ev["held_ms"] = json!(held);
+            vec![(0, Action::Isolate(d.member)), (held, Action::HealEtcd)]
+        }
+        Kind::LeaderKill => {
+            let down = pick(200, 4000, d.d1);
+            target = None;
+            ev["down_ms"] = json!(down);
+            vec![(0, Action::KillLeader), (down, Action::RestartLeader)]
+        }
+        Kind::PluginRestart => {
+            let down = pick(0, 1500, d.d1);
+            ev["node"] = json!(node);
+            ev["down_ms"] = json!(down);
+            vec![
+                (0, Action::KillPlugin(d.node)),
+                (down, Action::StartPlugin(d.node)),
+            ]
+        }
+        Kind::SlowController => {
+            let hosts: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].is_host).collect();
+            if hosts.is_empty() {
+                return None;
+            }
+            // One host: the one; two: chosen by the draw.
+            let h = hosts[usize::try_from((d.d1 >> 32) % hosts.len() as u64).expect("fits")];
+            target = Some(h);
+            let late = d.d2 % 2 == 0;
+            let ms = if late {
+                pick(0, 1500, d.d1)
+            } else {
+                pick(300, 2500, d.d1)
+            };
+            let held = pick(2000, 8000, d.d1 ^ d.d2);
+            let action = if late { "late" } else { "delay" };
+            let rules: Vec<_> = ["ControllerPublishVolume", "ControllerUnpublishVolume"]
+                .iter()
+                .map(|m| json!({"method": m, "action": action, "ms": ms}))
+                .collect();
+            ev["node"] = json!(nodes[h].name);
+            ev["action"] = json!(action);
+            ev["ms"] = json!(ms);
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::SetSlow(h, json!(rules))),
+                (held, Action::ClearSlow(h)),
+            ]
+        }
+    };
+    ev["fault"] = json!(name);
+    Some(Fault {
+        steps,
+        ev,
+        name,
+        node: target,
+        killed: None,
+        lease_clock: None,
+    })
+}
+
+/// Whether `second` may run next to `first`: never two faults on one node,
+/// nor two of one etcd kind (one member isolated at a time; a second
+/// leader kill would only repeat the first).
+fn compatible(first: &Fault, second: &Fault, k1: Kind, k2: Kind) -> bool {
+    match (first.node, second.node) {
+        (Some(a), Some(b)) => a != b,
+        _ => k1.on_node() || k2.on_node() || k1 != k2,
+    }
+}
+
 /// Injects faults until `deadline`; every fault is undone before the next
-/// one and before this returns.
+/// round and before this returns.
 pub fn run(
     shared: &Arc<Shared>,
     nodes: &mut [Node],
     etcd: &mut EtcdCluster,
     mut rng: Rng,
+    mut extra: Rng,
     plan: &Plan,
     deadline: Instant,
 ) {
-    let (ttl, w) = (plan.lease_ttl_ms, plan.window_ms);
+    let mut round = 0u64;
     loop {
+        // The first stream, as it was drawn before overlaps existed.
         let gap = rng.range(300, 2500);
-        let kind = *rng.pick(&plan.kinds);
-        let ni = rng.index(nodes.len());
-        let mi = rng.index(etcd.members.len());
-        let (d1, d2) = (rng.next_u64(), rng.next_u64());
-        let pick = |lo: u64, hi: u64, r: u64| lo + r % (hi - lo + 1);
+        let (kind, ni, mi, d1, d2) = draw(&mut rng, plan, nodes.len(), etcd.members.len());
+        // The second stream: losses and the overlapping fault.
+        let lossy = extra.chance(LOSS_PERCENT);
+        let loss = extra.next_u64();
+        let overlap = extra.chance(OVERLAP_PERCENT);
+        let (k2, n2, m2, e1, e2) = draw(&mut extra, plan, nodes.len(), etcd.members.len());
+        let lossy2 = extra.chance(LOSS_PERCENT);
+        let loss2 = extra.next_u64();
+        let offset = extra.next_u64();
         hold(gap);
         revive_crashed(shared, nodes);
         if Instant::now() >= deadline {
             return;
         }
+        round += 1;
         let start = shared.since_ms();
-        let node = nodes[ni].name.clone();
-        let mut ev = json!({"kind": "fault", "fault": kind.name(), "start_ms": start});
-        match kind {
-            Kind::AgentKill => {
-                let down = pick(0, ttl + w + 3000, d1);
-                ev["node"] = json!(node);
-                ev["down_ms"] = json!(down);
-                nodes[ni].agent.kill();
-                hold(down);
-                start_agent(shared, &mut nodes[ni], &mut ev);
+        let first = Draw {
+            kind,
+            node: ni,
+            member: mi,
+            d1,
+            d2,
+            lossy,
+            loss,
+        };
+        let Some(mut f1) = build(first, plan, nodes, start) else {
+            continue;
+        };
+        let mut faults = Vec::new();
+        if overlap {
+            let mut second = Draw {
+                kind: k2,
+                node: n2,
+                member: m2,
+                d1: e1,
+                d2: e2,
+                lossy: lossy2,
+                loss: loss2,
+            };
+            if f1.node == Some(n2) {
+                second.node = (n2 + 1) % nodes.len();
             }
-            Kind::AgentStop | Kind::AgentStopWithWorkload => {
-                let with = kind == Kind::AgentStopWithWorkload;
-                let held = ttl + w + pick(500, 3000, d1);
-                ev["node"] = json!(node);
-                ev["held_ms"] = json!(held);
-                let pid = nodes[ni].pid().expect("the agent runs");
-                if with {
-                    shared.writers_paused[ni].store(true, Ordering::SeqCst);
-                }
-                send_signal(pid, libc::SIGSTOP);
-                wait_until(STOP_TIMEOUT, "every thread of the agent to stop", || {
-                    all_threads_stopped(pid)
-                });
-                ev["stopped_ms"] = json!(shared.since_ms());
-                hold(held);
-                send_signal(pid, libc::SIGCONT);
-                shared.writers_paused[ni].store(false, Ordering::SeqCst);
-            }
-            Kind::LinkCut => {
-                let how = *[Cut::Both, Cut::Up, Cut::Down]
-                    .get(usize::try_from(d2 % 3).expect("fits"))
-                    .expect("one of three");
-                let held = pick(500, ttl + w + 3000, d1);
-                ev["node"] = json!(node);
-                ev["cut"] = json!(how.name());
-                ev["held_ms"] = json!(held);
-                nodes[ni].link.cut(how);
-                hold(held);
-                nodes[ni].link.heal();
-            }
-            Kind::CutAndRestart => {
-                let before = pick(300, ttl + w, d1);
-                let after = pick(300, ttl + w + 2000, d2);
-                ev["node"] = json!(node);
-                ev["before_restart_ms"] = json!(before);
-                ev["after_restart_ms"] = json!(after);
-                nodes[ni].link.cut(Cut::Both);
-                hold(before);
-                nodes[ni].agent.kill();
-                start_agent(shared, &mut nodes[ni], &mut ev);
-                hold(after);
-                nodes[ni].link.heal();
-            }
-            Kind::MemberIsolate => {
-                let held = pick(1000, 8000, d1);
-                ev["member"] = json!(etcd.members[mi].name);
-                ev["was_leader"] = json!(etcd.leader() == Some(mi));
-                ev["held_ms"] = json!(held);
-                etcd.isolate(mi);
-                hold(held);
-                let names = |l: Vec<usize>| -> Vec<String> {
-                    l.into_iter()
-                        .map(|i| etcd.members[i].name.clone())
-                        .collect()
-                };
-                ev["leaders_before_heal"] = json!(names(etcd.leaders()));
-                etcd.heal();
-            }
-            Kind::LeaderKill => {
-                let down = pick(200, 4000, d1);
-                ev["down_ms"] = json!(down);
-                match etcd.leader() {
-                    None => ev["member"] = json!(null),
-                    Some(l) => {
-                        ev["member"] = json!(etcd.members[l].name);
-                        etcd.kill(l);
-                        hold(down);
-                        let mut result = etcd.restart(l);
-                        for _ in 0..2 {
-                            if result.is_ok() {
-                                break;
-                            }
-                            result = etcd.restart(l);
-                        }
-                        if let Err(e) = result {
-                            panic!("{e}");
-                        }
+            if let Some(mut f2) = build(second, plan, nodes, start) {
+                if compatible(&f1, &f2, kind, k2) {
+                    // Starts while the first is still in force.
+                    let at = offset % f1.span().max(1);
+                    for s in &mut f2.steps {
+                        s.0 += at;
                     }
+                    f1.ev["overlapped_by"] = json!(f2.name);
+                    f2.ev["overlaps"] = json!(f1.name);
+                    f2.ev["offset_ms"] = json!(at);
+                    faults.push(f1);
+                    faults.push(f2);
                 }
             }
-            Kind::PluginRestart => {
-                let down = pick(0, 1500, d1);
-                ev["node"] = json!(node);
-                ev["down_ms"] = json!(down);
-                nodes[ni].plugin.kill();
-                hold(down);
-                nodes[ni].plugin.restart();
+            if faults.is_empty() {
+                faults.push(build(first, plan, nodes, start).expect("built once"));
             }
-            Kind::SlowController => {
-                let Some(h) = nodes.iter().position(|n| n.is_host) else {
-                    continue;
-                };
-                let late = d2 % 2 == 0;
-                let ms = if late {
-                    pick(0, 1500, d1)
-                } else {
-                    pick(300, 2500, d1)
-                };
-                let held = pick(2000, 8000, d1 ^ d2);
-                let action = if late { "late" } else { "delay" };
-                let rules: Vec<_> = ["ControllerPublishVolume", "ControllerUnpublishVolume"]
-                    .iter()
-                    .map(|m| json!({"method": m, "action": action, "ms": ms}))
-                    .collect();
-                ev["node"] = json!(nodes[h].name);
-                ev["action"] = json!(action);
-                ev["ms"] = json!(ms);
-                ev["held_ms"] = json!(held);
-                nodes[h].plugin.faults().set(json!(rules));
-                hold(held);
-                nodes[h].plugin.faults().clear();
+        } else {
+            faults.push(f1);
+        }
+        for f in &mut faults {
+            f.ev["round"] = json!(round);
+        }
+        execute(shared, nodes, etcd, &mut faults);
+        for mut f in faults {
+            f.ev["end_ms"] = json!(shared.since_ms());
+            shared.event(std::mem::take(&mut f.ev));
+        }
+    }
+}
+
+/// Runs the merged steps of a round's faults at their times, then waits
+/// for every agent restarted in it.
+fn execute(shared: &Shared, nodes: &mut [Node], etcd: &mut EtcdCluster, faults: &mut [Fault]) {
+    let mut steps: Vec<(u64, usize, Action)> = faults
+        .iter()
+        .enumerate()
+        .flat_map(|(i, f)| f.steps.iter().map(move |(t, a)| (*t, i, a.clone())))
+        .collect();
+    steps.sort_by_key(|s| s.0);
+    let t0 = Instant::now();
+    // (fault, node, spawned at) of agents started and not yet listening.
+    let mut starting: Vec<(usize, usize, Instant)> = Vec::new();
+    for k in 0..steps.len() {
+        let (at, fi, action) = steps[k].clone();
+        let due = t0 + Duration::from_millis(at);
+        while Instant::now() < due {
+            poll_starting(shared, nodes, faults, &mut starting, false);
+            thread::sleep(TICK.min(due.saturating_duration_since(Instant::now())));
+        }
+        // A step never waits past the next one's time (a power cut's
+        // catch), unless that is its own restart.
+        let next_due = steps[k + 1..]
+            .iter()
+            .find(|s| s.1 != fi)
+            .map(|s| t0 + Duration::from_millis(s.0));
+        let f = &mut faults[fi];
+        step(shared, nodes, etcd, f, fi, action, next_due, &mut starting);
+    }
+    poll_starting(shared, nodes, faults, &mut starting, true);
+}
+
+/// Records the agents that listen now; with `wait`, waits for all of them
+/// (each bounded by `nodes::RESTART_TIMEOUT`).
+fn poll_starting(
+    shared: &Shared,
+    nodes: &[Node],
+    faults: &mut [Fault],
+    starting: &mut Vec<(usize, usize, Instant)>,
+    wait: bool,
+) {
+    starting.retain(|&(fi, ni, since)| {
+        let n = &nodes[ni];
+        let res = if wait {
+            n.wait_listening().map(|_| ())
+        } else if std::os::unix::net::UnixStream::connect(n.socket()).is_ok() {
+            Ok(())
+        } else if n.agent_exited() {
+            Err(format!(
+                "the agent of node {} exited before listening",
+                n.name
+            ))
+        } else {
+            return true;
+        };
+        match res {
+            Ok(()) => faults[fi].ev["listening_after_ms"] = json!(since.elapsed().as_millis()),
+            Err(e) => {
+                faults[fi].ev["error"] = json!(e);
+                shared.crashes.lock().expect("crashes lock").push(e);
             }
         }
-        ev["end_ms"] = json!(shared.since_ms());
-        shared.event(ev);
+        false
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step(
+    shared: &Shared,
+    nodes: &mut [Node],
+    etcd: &mut EtcdCluster,
+    f: &mut Fault,
+    fi: usize,
+    action: Action,
+    next_due: Option<Instant>,
+    starting: &mut Vec<(usize, usize, Instant)>,
+) {
+    let log = json!({"step": action.name(), "t_ms": shared.since_ms()});
+    match f.ev["steps"].as_array_mut() {
+        Some(l) => l.push(log),
+        None => f.ev["steps"] = json!([log]),
+    }
+    match action {
+        Action::CopyLeaseClock(ni) => {
+            f.lease_clock = power_cut::read_lease_clock(&nodes[ni]);
+        }
+        Action::KillAgent(ni) => nodes[ni].agent.kill(),
+        Action::PowerCut(ni, loss) => {
+            let older = f.lease_clock.take();
+            let report = power_cut::cut(shared, &mut nodes[ni], &loss, older, next_due);
+            f.ev["power_cut"] = report;
+        }
+        Action::StartAgent(ni) => {
+            nodes[ni].agent.spawn();
+            starting.push((fi, ni, Instant::now()));
+        }
+        Action::Freeze(ni, with) => {
+            let pid = nodes[ni].pid().expect("the agent runs");
+            if with {
+                shared.writers_paused[ni].store(true, Ordering::SeqCst);
+            }
+            send_signal(pid, libc::SIGSTOP);
+            wait_until(STOP_TIMEOUT, "every thread of the agent to stop", || {
+                all_threads_stopped(pid)
+            });
+            f.ev["stopped_ms"] = json!(shared.since_ms());
+        }
+        Action::Thaw(ni, _) => {
+            if let Some(pid) = nodes[ni].pid() {
+                send_signal(pid, libc::SIGCONT);
+            }
+            shared.writers_paused[ni].store(false, Ordering::SeqCst);
+        }
+        Action::CutLink(ni, how) => nodes[ni].link.cut(how),
+        Action::HealLink(ni) => nodes[ni].link.heal(),
+        Action::Isolate(mi) => {
+            f.ev["member"] = json!(etcd.members[mi].name);
+            f.ev["was_leader"] = json!(etcd.leader() == Some(mi));
+            etcd.isolate(mi);
+        }
+        Action::HealEtcd => {
+            let names: Vec<String> = etcd
+                .leaders()
+                .into_iter()
+                .map(|i| etcd.members[i].name.clone())
+                .collect();
+            f.ev["leaders_before_heal"] = json!(names);
+            etcd.heal();
+        }
+        Action::KillLeader => match etcd.leader() {
+            None => f.ev["member"] = json!(null),
+            Some(l) => {
+                f.ev["member"] = json!(etcd.members[l].name);
+                etcd.kill(l);
+                f.killed = Some(l);
+            }
+        },
+        Action::RestartLeader => {
+            if let Some(l) = f.killed.take() {
+                let mut result = etcd.restart(l);
+                for _ in 0..2 {
+                    if result.is_ok() {
+                        break;
+                    }
+                    result = etcd.restart(l);
+                }
+                if let Err(e) = result {
+                    panic!("{e}");
+                }
+            }
+        }
+        Action::KillPlugin(ni) => nodes[ni].plugin.kill(),
+        Action::StartPlugin(ni) => nodes[ni].plugin.restart(),
+        Action::SetSlow(h, rules) => nodes[h].plugin.faults().set(rules),
+        Action::ClearSlow(h) => nodes[h].plugin.faults().clear(),
     }
 }

@@ -1,6 +1,8 @@
 //! Harness of `tests/nemesis.rs`: a 3-member etcd cluster, three nodes
 //! (agent, own plugin, own link to etcd), a seeded workload that writes
-//! records into the volumes, a seeded fault schedule, and the checker.
+//! records into the volumes and reads them back, a seeded fault schedule
+//! (overlapping faults, power cuts that lose what the design allows), and
+//! the checker.
 //!
 //! Used as `mod nemesis_support;` next to `mod common;` and
 //! `mod agent_support;`.
@@ -8,8 +10,10 @@
 
 pub mod checker;
 pub mod etcd_cluster;
+pub mod evidence;
 pub mod faults;
 pub mod nodes;
+pub mod power_cut;
 pub mod proxy;
 pub mod rng;
 pub mod workload;

@@ -35,8 +35,9 @@ pub fn ext(node: &str) -> String {
 pub struct NodeSettings {
     pub lease_ttl: Duration,
     pub stop_after_disconnect: Option<Duration>,
-    /// The node whose plugin serves the controller side (for every node).
-    pub controller_host: Option<String>,
+    /// The nodes whose plugins serve the controller side (for every
+    /// node): none, one or two.
+    pub controller_hosts: Vec<String>,
 }
 
 pub struct Node {
@@ -58,9 +59,9 @@ impl Node {
         members: &[std::net::SocketAddr],
     ) -> Node {
         let ndir = dir.join(name);
-        let is_host = settings.controller_host.as_deref() == Some(name);
+        let is_host = settings.controller_hosts.iter().any(|h| h == name);
         let mut builder = TestPlugin::builder(&ndir).node_id(&ext(name));
-        if settings.controller_host.is_some() {
+        if !settings.controller_hosts.is_empty() {
             // One storage system for every node's plugin, which really
             // fences on ControllerUnpublish: the agents list the plugin in
             // `fencing_plugins`.
@@ -91,7 +92,7 @@ impl Node {
         if let Some(d) = settings.stop_after_disconnect {
             cluster["stop_after_disconnect"] = json!(format!("{}ms", d.as_millis()));
         }
-        if settings.controller_host.is_some() {
+        if !settings.controller_hosts.is_empty() {
             cluster["fencing_plugins"] = json!([PLUGIN_ID]);
         }
         let agent = Agent::prepare(&ndir, "agent", config, false, &[]);

@@ -40,12 +40,16 @@ pub fn monotonic_ns() -> u128 {
 }
 
 /// A volume of the run: `rw` ones are single-writer and written; the
-/// others are multi-node reader-only, mounted read-only.
+/// others are multi-node reader-only, mounted read-only (and read: see
+/// `evidence.rs`). A `readers` volume (multi-node-single-writer) is
+/// mounted read-only by one mount in three (chosen by the client's draw)
+/// and read while its writer writes.
 #[derive(Clone, Debug)]
 pub struct VolSpec {
     pub id: String,
     pub access: String,
     pub rw: bool,
+    pub readers: bool,
 }
 
 /// Where the workload's release of an allocation stands.
@@ -66,6 +70,8 @@ pub struct Alloc {
     pub id: String,
     pub node: String,
     pub volume: String,
+    /// Mounted read-write (its holder writes records); false: read-only
+    /// (its holder reads them).
     pub rw: bool,
     /// The mount command answered OK.
     pub acked: bool,
@@ -91,12 +97,14 @@ pub struct Shared {
     pub node_names: Vec<String>,
     pub sockets: Vec<PathBuf>,
     pub etcd_endpoints: Vec<String>,
-    /// Writers of holdings kept at the end of the workload.
-    pub lingering: Mutex<Vec<Writer>>,
+    /// Writers and readers of holdings kept at the end of the workload.
+    pub lingering: Mutex<Vec<Holder>>,
     /// Releases (index into `allocs`) no agent took yet.
     pub undelivered: Mutex<Vec<usize>>,
     /// Agents that exited without being killed.
     pub crashes: Mutex<Vec<String>>,
+    /// Every read of a read-only holding (`evidence.rs`).
+    pub reads: Mutex<Vec<super::evidence::Read>>,
 }
 
 impl Shared {
@@ -190,6 +198,21 @@ impl Writer {
     }
 }
 
+/// What an acknowledged holding leaves as evidence while it is held.
+pub enum Holder {
+    Writer(Writer),
+    Reader(super::evidence::Reader),
+}
+
+impl Holder {
+    pub fn stop(self) {
+        match self {
+            Holder::Writer(w) => w.stop(),
+            Holder::Reader(r) => r.stop(),
+        }
+    }
+}
+
 /// The claim's create_revision in etcd, 0 if it cannot be read.
 fn epoch_of(shared: &Shared, volume: &str, alloc: &str) -> i64 {
     shared
@@ -247,7 +270,7 @@ pub fn client(
     volumes: &[VolSpec],
     deadline: Instant,
 ) {
-    let mut mine: Vec<(usize, Option<Writer>)> = Vec::new();
+    let mut mine: Vec<(usize, Holder)> = Vec::new();
     let mut undelivered: Vec<usize> = Vec::new();
     let mut n = 0;
     while Instant::now() < deadline && !shared.stop_clients.load(Ordering::SeqCst) {
@@ -266,7 +289,9 @@ pub fn client(
             let (node, vol) = (shared.node_names[ni].clone(), volumes[vi].clone());
             let alloc = format!("{node}-k{k}-{n}");
             n += 1;
-            let spec = if vol.rw {
+            // `ri` chooses the holding to release otherwise.
+            let rw = vol.rw && !(vol.readers && ri % 3 == 0);
+            let spec = if rw {
                 format!("data={}", vol.id)
             } else {
                 format!("data={},ro", vol.id)
@@ -295,7 +320,7 @@ pub fn client(
                 id: alloc.clone(),
                 node: node.clone(),
                 volume: vol.id.clone(),
-                rw: vol.rw,
+                rw,
                 acked,
                 host_path,
                 epoch: 0,
@@ -311,10 +336,13 @@ pub fn client(
                 allocs.len() - 1
             };
             if acked {
-                let w = vol
-                    .rw
-                    .then(|| Writer::start(shared, &a, Duration::from_millis(period)));
-                mine.push((idx, w));
+                let period = Duration::from_millis(period);
+                let h = if rw {
+                    Holder::Writer(Writer::start(shared, &a, period))
+                } else {
+                    Holder::Reader(super::evidence::Reader::start(shared, &a, period))
+                };
+                mine.push((idx, h));
             } else {
                 // The orchestrator gives up on it: release what the agent
                 // may still be doing.
@@ -326,10 +354,8 @@ pub fn client(
             }
         } else {
             let j = usize::try_from(ri % mine.len() as u64).expect("fits");
-            let (idx, w) = mine.remove(j);
-            if let Some(w) = w {
-                w.stop();
-            }
+            let (idx, h) = mine.remove(j);
+            h.stop();
             let a = shared.allocs.lock().expect("allocs lock")[idx].clone();
             let r = release(shared, &a.node, &a.id, &a.volume, true);
             if r == Release::Undelivered {
@@ -338,11 +364,10 @@ pub fn client(
             shared.allocs.lock().expect("allocs lock")[idx].release = r;
         }
     }
-    // Holdings stay (their writers too) for the end-state checks.
-    for (_, w) in mine {
-        if let Some(w) = w {
-            shared.lingering.lock().expect("lingering lock").push(w);
-        }
+    // Holdings stay (their writers and readers too) for the end-state
+    // checks.
+    for (_, h) in mine {
+        shared.lingering.lock().expect("lingering lock").push(h);
     }
     for i in undelivered {
         shared.undelivered.lock().expect("undelivered lock").push(i);
