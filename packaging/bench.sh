@@ -25,8 +25,15 @@ fi
 "$dir/claimd-bench" ${etcd_args[@]+"${etcd_args[@]}"} --agent "$target_dir/bench/claimd" --plugin "$dir/claimd-test-plugin" \
   --out "$target_dir/bench/results.json" "$@"
 # The container-start ratio: a claimd volume against a local one, on a
-# throwaway dockerd (needs docker.io and busybox-static).
-if command -v dockerd >/dev/null && [ -x /bin/busybox ]; then
+# throwaway dockerd (needs docker.io and busybox-static); a full run only,
+# not with --only.
+only=
+for arg in "$@"; do
+  if [ "$arg" = --only ]; then only=1; fi
+done
+if [ -n "$only" ]; then
+  echo "bench: docker part skipped (--only)" >&2
+elif command -v dockerd >/dev/null && [ -x /bin/busybox ]; then
   bash packaging/bench-docker.sh "$target_dir/bench/claimd" "$dir/claimd-test-plugin" 20 \
     "$target_dir/bench/docker.json"
 else

@@ -37,10 +37,19 @@ struct Args {
     attach_n: usize,
     /// Takeovers per (lease_ttl, stop_after_disconnect) pair.
     takeover_reps: usize,
+    /// Agent counts of the scale part.
+    scale_n: Vec<usize>,
     only: Vec<String>,
 }
 
-const SECTIONS: &[&str] = &["overhead", "restart", "fanout", "cluster", "disconnect"];
+const SECTIONS: &[&str] = &[
+    "overhead",
+    "restart",
+    "fanout",
+    "cluster",
+    "disconnect",
+    "scale",
+];
 
 impl Args {
     fn runs(&self, section: &str) -> bool {
@@ -64,6 +73,7 @@ fn parse_args() -> Result<Args, String> {
         cluster_allocs: 16,
         attach_n: 40,
         takeover_reps: 4,
+        scale_n: vec![1, 10, 25, 50],
         only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -106,6 +116,15 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--takeover-reps: {e}"))?
             }
+            "--scale-n" => {
+                a.scale_n = val()?
+                    .split(',')
+                    .map(|n| match n.parse() {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => Err(format!("--scale-n: {n:?} is not a count of agents")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
             "--only" => {
                 for section in val()?.split(',') {
                     if !SECTIONS.contains(&section) {
@@ -119,7 +138,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--scale-n 1,10,25,50] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -150,6 +169,7 @@ mod cluster;
 mod cluster_support;
 mod disconnect;
 mod fanout;
+mod scale;
 mod support;
 
 use bare::*;
@@ -561,6 +581,18 @@ fn main() {
                 "claimd-bench: --only disconnect needs etcd ({} is missing; --etcd PATH)",
                 args.etcd.display()
             );
+            std::process::exit(2);
+        }
+    }
+
+    // ---- 8. N agents on one etcd --------------------------------------------
+    if args.runs("scale") {
+        if args.etcd.exists() {
+            scale::scale(&args, &env, &mut results, &mut table);
+        } else if args.only.is_empty() {
+            table.push(("scale (etcd)".into(), "skipped: no etcd".into()));
+        } else {
+            eprintln!("claimd-bench: --only scale needs etcd (--etcd PATH)");
             std::process::exit(2);
         }
     }
