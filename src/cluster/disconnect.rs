@@ -32,10 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 
 use super::liveness::NodeLiveness;
-use super::view::{NodeView, NodesSnapshot};
+use super::view::{NodeSettings, NodeView, NodesSnapshot};
 use crate::claims::etcd::unavailable;
 use crate::claims::fencing::{self, Fencing, FreeRule};
 use crate::claims::{ClaimError, ClaimStore, EtcdClaims};
@@ -54,37 +53,6 @@ const REAP_QUIET_MAX: Duration = Duration::from_secs(60);
 
 /// What the log and the release say of allocations released by the rule.
 pub const DISCONNECT_RELEASE_REASON: &str = "released while disconnected";
-
-/// `<prefix>/node-settings/<node>`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeSettings {
-    pub stop_after_disconnect_ms: Option<u64>,
-    /// U: the node's longest unmount (NodeUnpublish + NodeUnstage at their
-    /// deadlines). Absent from older agents: observers assume 2 minutes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unmount_bound_ms: Option<u64>,
-    /// τ: the node's self-release check period plus scheduling delay.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub check_period_ms: Option<u64>,
-}
-
-/// U and τ assumed for a node that does not publish them.
-const ASSUMED_UNMOUNT_BOUND: Duration = Duration::from_secs(120);
-const ASSUMED_TAU: Duration = Duration::from_secs(3);
-
-impl NodeSettings {
-    /// W for this node: how long observers wait after first seeing it gone.
-    pub fn observer_wait(&self) -> Option<Duration> {
-        let d = Duration::from_millis(self.stop_after_disconnect_ms?);
-        let u = self
-            .unmount_bound_ms
-            .map_or(ASSUMED_UNMOUNT_BOUND, Duration::from_millis);
-        let t = self
-            .check_period_ms
-            .map_or(ASSUMED_TAU, Duration::from_millis);
-        Some(fencing::observer_wait(d, u, t))
-    }
-}
 
 /// The durable key and value of this node's settings, written with each
 /// registration of its liveness.

@@ -11,9 +11,8 @@ mod view;
 
 pub use controller_host::ControllerHost;
 pub use disconnect::{
-    settings_entry, DisconnectRule, NodeSettings, RuleParts, SelfReleaseParts,
-    DISCONNECT_RELEASE_REASON,
+    settings_entry, DisconnectRule, RuleParts, SelfReleaseParts, DISCONNECT_RELEASE_REASON,
 };
 pub use liveness::{Liveness, NodeLiveness, NodeRecord};
 pub use unreachable::{UnreachableHold, UnreachableHolds};
-pub use view::{NodeView, NodesSnapshot};
+pub use view::{NodeSettings, NodeView, NodesSnapshot};

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::disconnect::NodeSettings;
+use serde::{Deserialize, Serialize};
+
+use crate::claims::fencing;
 use crate::etcd::{prefix_end, EtcdClient, KeyValue, WatchEvent};
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
@@ -27,6 +29,37 @@ use crate::threads::Threads;
 const POLL: Duration = Duration::from_millis(250);
 /// Backoff between attempts to read and watch again after a failure.
 const RETRY: Duration = Duration::from_millis(500);
+
+/// `<prefix>/node-settings/<node>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSettings {
+    pub stop_after_disconnect_ms: Option<u64>,
+    /// U: the node's longest unmount (NodeUnpublish + NodeUnstage at their
+    /// deadlines). Absent from older agents: observers assume 2 minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmount_bound_ms: Option<u64>,
+    /// τ: the node's self-release check period plus scheduling delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check_period_ms: Option<u64>,
+}
+
+/// U and τ assumed for a node that does not publish them.
+const ASSUMED_UNMOUNT_BOUND: Duration = Duration::from_secs(120);
+const ASSUMED_TAU: Duration = Duration::from_secs(3);
+
+impl NodeSettings {
+    /// W for this node: how long observers wait after first seeing it gone.
+    pub fn observer_wait(&self) -> Option<Duration> {
+        let d = Duration::from_millis(self.stop_after_disconnect_ms?);
+        let u = self
+            .unmount_bound_ms
+            .map_or(ASSUMED_UNMOUNT_BOUND, Duration::from_millis);
+        let t = self
+            .check_period_ms
+            .map_or(ASSUMED_TAU, Duration::from_millis);
+        Some(fencing::observer_wait(d, u, t))
+    }
+}
 
 /// Alive nodes and node settings, as of a fresh watch.
 #[derive(Clone, Debug, Default, PartialEq)]
