@@ -22,6 +22,8 @@ fail() {
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
+# The package is built with TLS to etcd: OpenSSL's static libraries.
+[ -f /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 command -v lintian >/dev/null || need+=(lintian)
 command -v jq >/dev/null || need+=(jq)
 command -v file >/dev/null || need+=(file)

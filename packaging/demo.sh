@@ -22,6 +22,7 @@ need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)
+[ -f /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "demo: installing ${need[*]}"
   apt-get update -qq
@@ -31,8 +32,10 @@ target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}")
 claimd=${CLAIMD_BIN:-$target_dir/debug/claimd}
 plugin_bin=${PLUGIN_BIN:-$target_dir/debug/claimd-test-plugin}
 if [ -z "${CLAIMD_BIN:-}" ]; then
-  echo "demo: building (the first build compiles gRPC's C core: a few minutes)"
-  cargo build --locked --bin claimd --bin claimd-test-plugin 2>&1 | tail -1
+  # The test command's features and profile: tests/run.sh reuses this
+  # build (gRPC's C core is compiled once, for both).
+  echo "demo: building (the first build compiles gRPC's C core with TLS: about 20 minutes on two cores; tests/run.sh reuses it)"
+  cargo build --locked --features tls,failpoints --bin claimd --bin claimd-test-plugin 2>&1 | tail -1
 fi
 demo=$(mktemp -d /tmp/claimd-demo.XXXXXX)
 export TMPDIR=$demo # the --dev state lives in $TMPDIR/claimd-dev

@@ -523,6 +523,7 @@ fn reconcile_loop(
         loop {
             let done = match reconciler.reconcile(node, root) {
                 Ok(r) => {
+                    crate::metrics::RECONCILIATIONS.inc();
                     if !r.freed.is_empty() || !r.kept.is_empty() {
                         log::info!(
                             "cluster: reconciliation freed {} orphaned claim(s) of this node, kept {}",

@@ -100,6 +100,42 @@ fn put_range_and_delete_with_prefixes() {
     assert_eq!(c.delete_range("/t/b/1", "").expect("delete").deleted, 0);
 }
 
+/// A prefix larger than one page, and larger than gRPC's 4 MiB receive
+/// limit in all (5,000 values of 1 KiB: one unpaged Range of it fails), is
+/// read whole by `range_prefix`, in key order, at one revision.
+#[test]
+fn a_prefix_larger_than_a_message_is_read_whole_in_pages() {
+    let etcd = Etcd::start();
+    let c = etcd.client();
+    let value = vec![b'x'; 1024];
+    let n = 5_000;
+    let mut last = 0;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let puts: Vec<TxnOp> = chunk
+            .iter()
+            .map(|i| TxnOp::put(format!("/big/{i:05}"), value.clone()))
+            .collect();
+        let t = c.txn(&[], &puts, &[]).expect("txn");
+        assert!(t.succeeded);
+        last = t.revision;
+    }
+    let whole = c.range("/big/", "/big0");
+    assert!(
+        whole.is_err(),
+        "one Range of 5 MB answered: the page size is not what keeps reads small"
+    );
+    let r = c.range_prefix("/big/").expect("a paged read");
+    assert_eq!(r.revision, last);
+    assert_eq!(r.kvs.len(), n);
+    assert_eq!(r.count, n as i64);
+    let want: Vec<String> = (0..n).map(|i| format!("/big/{i:05}")).collect();
+    assert_eq!(keys(&r), want);
+    assert!(r.kvs.iter().all(|kv| kv.value == value));
+    let rev = c.put("/big/99999", "later").expect("put").revision;
+    assert!(rev > r.revision);
+    assert_eq!(c.range_prefix("/big/").expect("read").kvs.len(), n + 1);
+}
+
 #[test]
 fn create_if_absent_has_exactly_one_winner_per_race() {
     let etcd = Etcd::start();

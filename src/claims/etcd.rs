@@ -75,8 +75,9 @@ pub struct EtcdClaims {
     /// This node's claims as it last wrote them, with their mod revision:
     /// a later change of one is a single `Txn` comparing that revision
     /// (read first only when the compare fails: changed elsewhere, or not
-    /// known since a restart).
-    known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
+    /// known since a restart; the start-up reconciliation fills it with
+    /// what its read found of this instance's claims).
+    pub(super) known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
     /// Which plugins have a controller host, as last read, and when.
     pub(super) controllers: super::remote::ControllerCache,
     /// This node's name (requests it forwards name it).

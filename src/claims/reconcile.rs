@@ -125,6 +125,14 @@ impl EtcdClaims {
             if c.node != node || this_run {
                 continue;
             }
+            // Remembered as read (unless this run wrote it since): the
+            // first change of it after a restart, the release's mark, is
+            // one `Txn` comparing this revision, not a read and a `Txn`.
+            // A stale revision only fails the compare.
+            self.known
+                .lock()
+                .entry(kv.key_str().to_string())
+                .or_insert_with(|| (kv.mod_revision, stored.clone()));
             let recorded = self.state.read(|s| {
                 s.allocs
                     .get(&c.alloc_id)

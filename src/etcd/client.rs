@@ -28,6 +28,11 @@ use crate::generated::etcd as pb;
 /// Default deadline of one etcd call (etcdctl's `--command-timeout` is 5s).
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Keys per Range of [`EtcdClient::range_prefix`]: 1,000 claims are about
+/// 0.4 MB, far below gRPC's 4 MiB receive limit and etcd's 1.5 MiB
+/// request limit.
+pub const RANGE_PAGE: i64 = 1000;
+
 /// How a client connects.
 #[derive(Clone, Debug)]
 pub struct EtcdOptions {
@@ -371,10 +376,42 @@ impl EtcdClient {
         Ok(RangeResponse::from_pb(r))
     }
 
-    /// Reads every key that starts with `prefix`.
+    /// Reads every key that starts with `prefix`, at one revision: in
+    /// pages of [`RANGE_PAGE`] keys, so that a prefix of any size (the
+    /// cluster's `claims/` on a start-up reconciliation) never makes an
+    /// answer that nears gRPC's or etcd's message limits. A prefix with
+    /// fewer keys is one call.
     pub fn range_prefix(&self, prefix: impl AsRef<[u8]>) -> Result<RangeResponse, EtcdError> {
         let prefix = prefix.as_ref();
-        self.range(prefix, prefix_end(prefix))
+        let mut req = range_request(prefix, &prefix_end(prefix));
+        req.limit = RANGE_PAGE;
+        let mut out: Option<RangeResponse> = None;
+        loop {
+            let r = self
+                .inner
+                .unary("Range", true, |ep, o| ep.kv.range(&req, o))?;
+            let more = r.more;
+            let page = RangeResponse::from_pb(r);
+            // The next page starts right after this one's last key.
+            let next = page.kvs.last().map(|kv| {
+                let mut k = kv.key.clone();
+                k.push(0);
+                k
+            });
+            match &mut out {
+                Some(o) => o.kvs.extend(page.kvs),
+                None => {
+                    // Later pages are read at the first one's revision.
+                    req.revision = page.revision;
+                    out = Some(page);
+                }
+            }
+            match next {
+                Some(k) if more => req.key = k,
+                _ => break,
+            }
+        }
+        Ok(out.unwrap_or_default())
     }
 
     /// Reads one key.

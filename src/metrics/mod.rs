@@ -141,6 +141,10 @@ pub static ETCD_REQUESTS: HistogramVec = HistogramVec::new(STATE_WRITE_BUCKETS);
 /// Claims found held by another allocation and retried.
 pub static CLAIM_RETRIES: Counter = Counter::new();
 
+/// Start-up reconciliations of this node's claims with its records that
+/// succeeded (one after each registration of its liveness).
+pub static RECONCILIATIONS: Counter = Counter::new();
+
 /// Release steps that failed (each failed attempt counts once).
 pub static RELEASE_FAILURES: Counter = Counter::new();
 

@@ -222,6 +222,12 @@ fn etcd(t: &mut Text, o: &Observer) {
         "1 while this node's liveness lease in etcd is held and renewed within its TTL.",
         if c.problem().is_none() { 1.0 } else { 0.0 },
     );
+    t.single(
+        "claimd_cluster_reconciliations_total",
+        Kind::Counter,
+        "Reconciliations of this node's claims in etcd with its records that succeeded (one after each registration of its liveness).",
+        metrics::RECONCILIATIONS.get() as f64,
+    );
     let name = "claimd_cluster_unreachable_holds";
     t.family(
         name,

@@ -45,9 +45,10 @@ pub fn cluster(
     let endpoint = start_etcd(args, &mut s);
     let mut out = serde_json::Map::new();
     {
-        let etcd_node = Node::start(args, env, &mut s, "etcd-store", Some(&endpoint));
+        let mut etcd_node = Node::start(args, env, &mut s, "etcd-store", Some(&endpoint));
         let local_node = Node::start(args, env, &mut s, "embedded-store", None);
         stores(args, &etcd_node, &local_node, &mut out, table);
+        after_restart(args, &mut etcd_node, &mut out, table);
     }
     let nodes: Vec<Node> = (1..=NODES)
         .map(|i| Node::start(args, env, &mut s, &format!("n{i}"), Some(&endpoint)))
@@ -248,6 +249,38 @@ fn stores(
     table.push((
         "cluster: etcd calls of one metrics read (taken off the counts above)".into(),
         etcd_node.scrape.row(1),
+    ));
+}
+
+/// Releases right after a restart: the agent is SIGKILLed with its
+/// volumes mounted and started again (its revision cache is what the
+/// start-up reconciliation read), then each allocation is released; the
+/// etcd calls per release (background marks included) are counted.
+fn after_restart(
+    args: &Args,
+    node: &mut Node,
+    out: &mut serde_json::Map<String, Value>,
+    table: &mut Vec<(String, String)>,
+) {
+    let n = args.cluster_n.min(ABBA_BLOCK * 2);
+    for i in 0..n {
+        node.mount(&format!("r-a{i}"), &format!("s{i}"));
+    }
+    node.wait_marks();
+    node.restart(args);
+    let before = node.calls();
+    for i in 0..n {
+        node.release(&format!("r-a{i}"));
+    }
+    node.wait_marks();
+    let calls = node.made(&before, &node.calls());
+    out.insert(
+        "release_after_restart".into(),
+        json!({"n": n, "per_release": calls.per_op(n), "errors": calls.errors}),
+    );
+    table.push((
+        format!("cluster: etcd round trips per release right after a restart ({n}, agent metrics)"),
+        calls.row(n),
     ));
 }
 

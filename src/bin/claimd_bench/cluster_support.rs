@@ -107,6 +107,8 @@ pub struct Node {
     pub setup: Setup,
     pub agent: Agent,
     pub api: ApiClient,
+    /// In cluster mode (ready only with its lease held).
+    pub cluster: bool,
     /// The etcd calls one metrics read makes itself.
     pub scrape: Counters,
 }
@@ -153,29 +155,62 @@ impl Node {
         let setup = start_plugin_in(args, s, &dir, &plugin_args, extra);
         let (agent, _) = Agent::start(args, &setup);
         let api = api(&setup, env);
-        wait_for(
-            &format!("agent {name} to be ready"),
-            AGENT_READY_TIMEOUT,
-            || {
-                let ready = api
-                    .raw()
-                    .list_plugins(&w::ListPluginsRequest::new(), opt())
-                    .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"));
-                ready
-                    && (!endpoint
-                        || sample(&metrics_text(&api), "claimd_etcd_lease_held") == Some(1.0))
-            },
-        );
         let mut node = Node {
             name: name.to_string(),
             setup,
             agent,
             api,
+            cluster: endpoint,
             scrape: Counters::default(),
         };
+        node.wait_ready();
         let a = node.calls();
         node.scrape = node.calls().minus(&a);
         node
+    }
+
+    /// Ready when the plugin is and, in cluster mode, the node's lease is
+    /// held.
+    fn wait_ready(&self) {
+        wait_for(
+            &format!("agent {} to be ready", self.name),
+            AGENT_READY_TIMEOUT,
+            || {
+                let ready = self
+                    .api
+                    .raw()
+                    .list_plugins(&w::ListPluginsRequest::new(), opt())
+                    .is_ok_and(|r| r.plugins.iter().any(|p| p.health == "ready"));
+                ready
+                    && (!self.cluster
+                        || sample(&metrics_text(&self.api), "claimd_etcd_lease_held") == Some(1.0))
+            },
+        );
+    }
+
+    /// SIGKILLs the agent and starts it again on the same state (its
+    /// mounts stay); returns once it is ready and has reconciled its
+    /// claims. Its counters start at 0.
+    pub fn restart(&mut self, args: &Args) {
+        // Dead and reaped before the new one starts on its state.
+        let _ = self.agent.child.kill();
+        let _ = self.agent.child.wait();
+        self.agent = Agent::start(args, &self.setup).0;
+        self.wait_ready();
+        if !self.cluster {
+            return;
+        }
+        wait_for(
+            &format!("agent {}'s start-up reconciliation", self.name),
+            AGENT_READY_TIMEOUT,
+            || {
+                sample(
+                    &metrics_text(&self.api),
+                    "claimd_cluster_reconciliations_total",
+                )
+                .is_some_and(|n| n >= 1.0)
+            },
+        );
     }
 
     pub fn register(&self, id: &str, mode: &str) {

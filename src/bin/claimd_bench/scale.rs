@@ -266,6 +266,7 @@ fn start_nodes(
                 setup: p.setup,
                 agent: p.agent,
                 api,
+                cluster: true,
                 scrape: Counters::default(),
             };
             node.scrape = scrape_cost(&node);
