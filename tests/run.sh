@@ -33,6 +33,8 @@ command -v promtool >/dev/null || need+=(prometheus)
 [ -x /usr/bin/podman ] || need+=(podman)
 [ -x /usr/sbin/runc ] || need+=(runc)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
+# tests/cluster_regress.rs skews one agent's wall clock with libfaketime.
+[ -f /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || need+=(faketime)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]}"
   apt-get update -qq

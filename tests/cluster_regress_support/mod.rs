@@ -1,0 +1,280 @@
+//! Harness pieces of `tests/cluster_regress.rs` that the other cluster
+//! harnesses do not have: a TCP proxy that delays etcd's replies (and can
+//! hold the requests), ballast that makes a Range of the whole claims
+//! prefix larger than a client may receive, and libfaketime for one agent.
+//!
+//! Used as `mod cluster_regress_support;` next to `mod common;`,
+//! `mod agent_support;`, `mod etcd_support;` and
+//! `mod cluster_controller_support;`.
+#![allow(dead_code)]
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::cluster_controller_support::PREFIX;
+use crate::etcd_support::Etcd;
+
+// ---- A proxy that delays replies ---------------------------------------------
+
+/// How often a pump looks at its flags.
+const PUMP_TICK: Duration = Duration::from_millis(5);
+
+#[derive(Default)]
+struct DelayState {
+    /// Added to every chunk coming back from etcd, from when it was read.
+    reply_delay_ms: AtomicU64,
+    /// Requests stay in the socket: nothing new reaches etcd.
+    requests_held: AtomicBool,
+    stopped: AtomicBool,
+}
+
+/// A TCP proxy in front of one etcd member: every reply chunk reaches the
+/// agent `reply_delay` after etcd sent it (in order, without queueing one
+/// delay behind another), and the requests can be held (a link cut in the
+/// agent-to-etcd direction only: what etcd already has is still answered).
+/// Stopped on drop.
+pub struct DelayProxy {
+    addr: SocketAddr,
+    state: Arc<DelayState>,
+}
+
+impl DelayProxy {
+    pub fn start(target: SocketAddr) -> DelayProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the delay proxy");
+        let addr = listener.local_addr().expect("the proxy's address");
+        let state = Arc::new(DelayState::default());
+        let st = state.clone();
+        thread::Builder::new()
+            .name(format!("delay-proxy-{}", addr.port()))
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if st.stopped.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(agent) = conn else { continue };
+                    let Ok(etcd) = TcpStream::connect(target) else {
+                        continue;
+                    };
+                    connect_pumps(agent, etcd, &st);
+                }
+            })
+            .expect("start the delay proxy");
+        DelayProxy { addr, state }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every reply chunk read from now on reaches the agent this much
+    /// later.
+    pub fn delay_replies(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).expect("a delay in u64 ms");
+        self.state.reply_delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Nothing more from the agent reaches etcd.
+    pub fn hold_requests(&self) {
+        self.state.requests_held.store(true, Ordering::SeqCst);
+    }
+
+    pub fn release_requests(&self) {
+        self.state.requests_held.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.state.stopped.store(true, Ordering::SeqCst);
+        // Wakes the acceptor; pumps see the flag within a tick.
+        let _ = TcpStream::connect(self.addr);
+    }
+}
+
+fn connect_pumps(agent: TcpStream, etcd: TcpStream, st: &Arc<DelayState>) {
+    let clone = |s: &TcpStream| s.try_clone().expect("clone a socket");
+    let (from, to, s) = (clone(&agent), clone(&etcd), st.clone());
+    let _ = thread::Builder::new()
+        .name("delay-proxy-up".into())
+        .spawn(move || pump_requests(from, to, &s));
+    // Replies: one thread reads and stamps, one writes when each is due.
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let (from, s) = (clone(&etcd), st.clone());
+    let _ = thread::Builder::new()
+        .name("delay-proxy-read".into())
+        .spawn(move || read_replies(from, &tx, &s));
+    let s = st.clone();
+    let _ = thread::Builder::new()
+        .name("delay-proxy-write".into())
+        .spawn(move || write_replies(agent, etcd, &rx, &s));
+}
+
+fn pump_requests(mut from: TcpStream, mut to: TcpStream, st: &DelayState) {
+    let _ = from.set_read_timeout(Some(PUMP_TICK));
+    let mut buf = vec![0u8; 16 * 1024];
+    while !st.stopped.load(Ordering::SeqCst) {
+        if st.requests_held.load(Ordering::SeqCst) {
+            thread::sleep(PUMP_TICK);
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+fn read_replies(mut from: TcpStream, tx: &mpsc::Sender<(Instant, Vec<u8>)>, st: &DelayState) {
+    let _ = from.set_read_timeout(Some(PUMP_TICK));
+    let mut buf = vec![0u8; 16 * 1024];
+    while !st.stopped.load(Ordering::SeqCst) {
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                let delay = Duration::from_millis(st.reply_delay_ms.load(Ordering::SeqCst));
+                if tx
+                    .send((Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+}
+
+/// Writes each reply chunk to the agent once it is due; ends (closing
+/// both sockets) when the reader ended and everything read was written,
+/// on an error, or when the proxy stops.
+fn write_replies(
+    mut to: TcpStream,
+    etcd: TcpStream,
+    rx: &mpsc::Receiver<(Instant, Vec<u8>)>,
+    st: &DelayState,
+) {
+    'outer: while !st.stopped.load(Ordering::SeqCst) {
+        let (due, chunk) = match rx.recv_timeout(PUMP_TICK) {
+            Ok(c) => c,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        loop {
+            if st.stopped.load(Ordering::SeqCst) {
+                break 'outer;
+            }
+            let now = Instant::now();
+            if now >= due {
+                break;
+            }
+            thread::sleep((due - now).min(PUMP_TICK));
+        }
+        if to.write_all(&chunk).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Both);
+    let _ = etcd.shutdown(Shutdown::Both);
+}
+
+// ---- An oversized claims range ---------------------------------------------------
+
+/// How many ballast keys, and how large each: etcd takes a request of up
+/// to 1.5 MiB (`--max-request-bytes`), a client receives at most 4 MiB
+/// (gRPC's default), so four keys of 1.2 MiB make any Range that covers
+/// them fail while each was written on its own.
+const BALLAST_KEYS: usize = 4;
+const BALLAST_BYTES: usize = 1_200_000;
+
+/// Keys under `<prefix>/claims/~ballast/` (a volume no test uses; `~`
+/// sorts after every test volume) that make a Range of the whole claims
+/// prefix larger than a client may receive, while a Range of one volume's
+/// claims, or a read of one claim, still works. Removed on drop.
+pub struct Ballast {
+    client: claimd::etcd::EtcdClient,
+    planted: bool,
+}
+
+impl Ballast {
+    /// The ballast prefix, relative to the cluster prefix.
+    pub const REL: &'static str = "claims/~ballast/";
+
+    pub fn plant(etcd: &Etcd) -> Ballast {
+        let client = etcd.client();
+        let value = vec![b'x'; BALLAST_BYTES];
+        for i in 0..BALLAST_KEYS {
+            client
+                .put(format!("{PREFIX}/{}{i}", Self::REL), &value)
+                .expect("write a ballast key");
+        }
+        // The trick works only while this holds: check it, so that a test
+        // built on it cannot pass for another reason.
+        let whole = client.range_prefix(format!("{PREFIX}/claims/"));
+        assert!(
+            whole.is_err(),
+            "a Range of the whole claims prefix still succeeds with the ballast"
+        );
+        Ballast {
+            client,
+            planted: true,
+        }
+    }
+
+    pub fn remove(&mut self) {
+        if self.planted {
+            self.client
+                .delete_prefix(format!("{PREFIX}/{}", Self::REL))
+                .expect("delete the ballast");
+            self.planted = false;
+        }
+    }
+}
+
+impl Drop for Ballast {
+    fn drop(&mut self) {
+        if self.planted && !thread::panicking() {
+            self.remove();
+        }
+    }
+}
+
+// ---- libfaketime ---------------------------------------------------------------
+
+/// Debian's libfaketime (package `faketime`; tests/run.sh installs it).
+pub fn libfaketime() -> PathBuf {
+    let lib = PathBuf::from("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1");
+    assert!(
+        lib.exists(),
+        "{} is missing: install Debian's faketime (tests/run.sh does)",
+        lib.display()
+    );
+    lib
+}
+
+/// The environment that runs a process with its wall clock `offset_s`
+/// seconds off (negative: behind) and its monotonic clocks untouched.
+pub fn faketime_env(offset_s: i64) -> Vec<(String, String)> {
+    vec![
+        (
+            "LD_PRELOAD".to_string(),
+            libfaketime().to_str().expect("UTF-8 path").to_string(),
+        ),
+        ("FAKETIME".to_string(), format!("{offset_s:+}")),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".to_string(), "1".to_string()),
+    ]
+}
