@@ -86,6 +86,9 @@ fn section(endpoint: &str, prefix: &str, lease_ttl: Option<u64>, stop_after: Opt
     let mut c = json!({"endpoints": [endpoint], "prefix": prefix});
     if let Some(t) = lease_ttl {
         c["lease_ttl"] = json!(format!("{t}s"));
+        // The agent refuses a call deadline above half the lease (its
+        // default, 5 s, is above half of the short leases here).
+        c["call_timeout"] = json!(format!("{}ms", (t * 500).min(5000)));
     }
     if let Some(d) = stop_after {
         c["stop_after_disconnect"] = json!(format!("{d}s"));
