@@ -89,6 +89,10 @@ fn section(endpoint: &str, prefix: &str, lease_ttl: Option<u64>, stop_after: Opt
         // The agent refuses a call deadline above half the lease (its
         // default, 5 s, is above half of the short leases here).
         c["call_timeout"] = json!(format!("{}ms", (t * 500).min(5000)));
+        // The takeover: the cluster moves a volume of a vanished node only
+        // once it is fenced, and counts ControllerUnpublish as a fence only
+        // for plugins listed here (README, *Safety*).
+        c["fencing_plugins"] = json!(["hp"]);
     }
     if let Some(d) = stop_after {
         c["stop_after_disconnect"] = json!(format!("{d}s"));
