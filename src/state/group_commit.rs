@@ -217,13 +217,20 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         mut persist: impl FnMut(&S, &S) -> Result<(), String>,
     ) -> Result<(), String> {
         let mut g = self.commit.lock();
+        if g.pending.is_none() {
+            // Nothing to write (an earlier failure is not this call's).
+            return Ok(());
+        }
         let target = g.applied;
         loop {
-            if g.durable >= target || g.pending.is_none() {
+            if g.durable >= target {
                 return Ok(());
             }
             if g.failed >= target {
                 return Err(g.failure.clone());
+            }
+            if g.pending.is_none() {
+                return Ok(());
             }
             if g.writing {
                 self.durable_changed.wait(&mut g);

@@ -288,6 +288,19 @@ fn dirty_entries<'a, K: Ord, V>(
     d
 }
 
+impl<K, Q, V> std::ops::Index<&Q> for SharedMap<K, V>
+where
+    K: Ord + Borrow<Q>,
+    Q: Ord + ?Sized,
+{
+    type Output = Arc<V>;
+
+    /// As `BTreeMap`'s: panics when the key is missing.
+    fn index(&self, k: &Q) -> &Arc<V> {
+        self.get(k).expect("no entry found for key")
+    }
+}
+
 impl<K: Ord, V: PartialEq> PartialEq for SharedMap<K, V> {
     fn eq(&self, other: &Self) -> bool {
         if self.len != other.len {
