@@ -29,7 +29,8 @@ PLUGINS="[$(plugin_entry csi monolith)]"
 USAGE_DIR=rw-file-system-single-node-writer
 POINT=answer-before-closing-write
 assert_eq "the failpoint's path" answer "$(failpoint_kind "$POINT")"
-failpoints | grep -qx "$POINT" || fail "$POINT is not listed by \`claimd failpoints\`"
+listed=$(failpoints)
+grep -qx "$POINT" <<<"$listed" || fail "$POINT is not listed by \`claimd failpoints\`"
 up="ControllerPublishVolume OK
 NodeStageVolume OK
 NodePublishVolume OK"
