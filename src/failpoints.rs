@@ -34,6 +34,8 @@ pub const FAILPOINTS: &[&str] = &[
     "before-controller-unpublish",
     "after-controller-unpublish",
     "release-after-claim-freed",
+    // The flusher of closing writes, after the answers, before the write.
+    "answer-before-closing-write",
     "restore-start",
     "state-after-snapshot",
 ];

@@ -1277,3 +1277,82 @@ fn a_claim_freed_while_the_agent_was_down_releases_its_allocation() {
         "{calls:?}"
     );
 }
+
+// ---- 10. A crash between a release's answer and its closing write ------------------
+
+/// A release is answered once its claim is freed in etcd, before the drop
+/// of its local record reaches the disk (the closing write rides with the
+/// next write, or the flusher's a few milliseconds later). With the
+/// flusher stopped there and the volume taken meanwhile by another node, a
+/// crash of the releasing node: its restart goes down from the durable
+/// `releasing` record (calls down only, no take), drops the record, and
+/// leaves the other node's claim as it is (the free compares the recorded
+/// epoch; the key names another allocation anyway).
+#[test]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs the failpoints feature (cargo test --features failpoints)"
+)]
+fn a_crash_after_a_release_was_answered_goes_down_and_frees_no_other_claim() {
+    let mut c = Cluster::start(&["a", "b"], &|cfg| {
+        cfg.claim_retry_deadline = "5m".into();
+    });
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let etcd = &c.etcd;
+    let [a, b] = &mut c.nodes[..] else {
+        unreachable!("two nodes")
+    };
+    a.mount_ok("k1", "data=v");
+    restart_with_failpoint(a, "answer-before-closing-write:pause");
+    a.release_ok("k1");
+    assert!(stored_claims(etcd, "v").is_empty(), "the claim is freed");
+    // The files as they are (the flusher is stopped: nothing settles).
+    let on_disk = state_of_dir(&a.agent.config.state_dir);
+    let phases: Vec<String> = on_disk["allocs"]["k1"]["volumes"]
+        .as_object()
+        .map(|v| {
+            v.values()
+                .map(|r| r["phase"].as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(phases, ["releasing"], "{on_disk}");
+    assert!(a.targets().is_empty());
+    assert!(
+        a.agent
+            .log()
+            .contains("failpoint answer-before-closing-write: paused"),
+        "{}",
+        a.agent.log()
+    );
+
+    // Node b takes the volume for another allocation.
+    b.mount_ok("w1", "data=v");
+    assert_eq!(holders(&b.claims("v")), ["w1"]);
+    let w1_claim = stored_claims(etcd, "v");
+
+    // Node a dies in the window and starts again.
+    let calls = a.volume_calls().len();
+    a.agent.kill_now();
+    restart_with_failpoint(a, "");
+    wait_until(RETRY_TIMEOUT, "the resumed release to drop k1", || {
+        no_allocs(a)
+    });
+    let on_disk = a.agent.state();
+    assert_eq!(on_disk["allocs"], json!({}), "{on_disk}");
+    let after: Vec<String> = a.volume_calls()[calls..].to_vec();
+    assert!(
+        after.iter().any(|m| m == "NodeUnpublishVolume")
+            && after
+                .iter()
+                .all(|m| m == "NodeUnpublishVolume" || m == "NodeUnstageVolume"),
+        "node a's calls after the restart: only the way down: {after:?}"
+    );
+    assert!(a.targets().is_empty());
+    // w1's claim is untouched, in etcd byte for byte.
+    assert_eq!(stored_claims(etcd, "v"), w1_claim);
+    assert_eq!(holders(&a.claims("v")), ["w1"]);
+    assert_eq!(b.targets().len(), 1);
+    b.release_ok("w1");
+    assert!(stored_claims(etcd, "v").is_empty());
+}

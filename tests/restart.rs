@@ -48,6 +48,7 @@ scenarios! {
     corrupt_state => "11-corrupt-state.sh",
     state_v1 => "12-state-v1.sh",
     journal => "13-journal.sh",
+    crash_after_answer => "14-crash-after-answer.sh",
 }
 
 fn scripts_dir() -> PathBuf {

@@ -326,6 +326,7 @@ impl grpc::Claimd for Service {
             r.state_bytes_written = ws.bytes;
             r.state_fsyncs = ws.fsyncs;
             r.state_snapshots = ws.snapshots;
+            r.state_undurable_changes = store.undurable_changes();
             store.read(|st| {
                 r.allocs = st.allocs.len() as u64;
                 r.volumes = st.volumes.len() as u64;

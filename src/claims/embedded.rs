@@ -25,15 +25,23 @@ impl ClaimStore for EmbeddedClaims {
             changes,
             wanted,
             record,
+            closing,
         } = txn;
-        self.state.update(|s| -> Result<Applied, StateError> {
+        let f = |s: &mut StateFile| -> Result<Applied, StateError> {
             if !wanted(s) {
                 return Ok(Applied::NotWanted);
             }
             let outcomes: Vec<_> = changes.iter().map(|c| apply(s, c)).collect();
             record(s, &outcomes);
             Ok(Applied::Done(outcomes))
-        })
+        };
+        // The claims live in the same state: a closing free is durable with
+        // the record's drop, after the next write or a flush.
+        if closing {
+            self.state.update_closing(f)
+        } else {
+            self.state.update(f)
+        }
     }
 
     fn list(&self) -> Vec<Claim> {
@@ -161,6 +169,7 @@ mod tests {
                 changes: vec![c2],
                 wanted: &|_| true,
                 record: &mut record,
+                closing: false,
             })
             .expect("the state write")
             .single()
@@ -218,6 +227,7 @@ mod tests {
                 }],
                 wanted: &|_| false,
                 record: &mut |s, _| s.boot_id = "changed".into(),
+                closing: false,
             })
             .expect("write");
         assert!(matches!(applied, Applied::NotWanted));

@@ -36,7 +36,7 @@ use super::{
     SharedVolumes, Transaction,
 };
 use crate::etcd::{Compare, EtcdClient, EtcdError, KeyValue, TxnOp};
-use crate::state::{Claim, ClaimState, StateError, StateStore};
+use crate::state::{Claim, ClaimState, StateError, StateFile, StateStore};
 use crate::volumes::VolumeSpec;
 
 /// How often a change is tried again when another node changed the same
@@ -429,13 +429,24 @@ impl ClaimStore for EtcdClaims {
         let (record, wanted) = (txn.record, txn.wanted);
         // Checked again in the write: what changed locally during the
         // round trip (another mount recorded meanwhile) is seen here.
-        let written = self.state.update(|s| -> Result<bool, StateError> {
+        let write = |s: &mut StateFile| -> Result<bool, StateError> {
             if !wanted(s) {
                 return Ok(false);
             }
             record(s, &outcomes);
             Ok(true)
-        })?;
+        };
+        // A closing record change (the drop after a free, `published` after
+        // the attach was recorded): etcd holds the change already; the
+        // local record follows with the next write. A crash before it
+        // leaves the durable intent, from which recovery redoes the
+        // idempotent calls (a free compares the recorded epoch, so it
+        // never frees a claim taken since by someone else).
+        let written = if txn.closing {
+            self.state.update_closing(write)?
+        } else {
+            self.state.update(write)?
+        };
         if written {
             return Ok(Applied::Done(outcomes));
         }

@@ -133,6 +133,11 @@ pub struct Transaction<'a> {
     /// The local record change, given the outcome of every change. Made
     /// durable with the changes (embedded) or right after them (remote).
     pub record: &'a mut dyn FnMut(&mut StateFile, &Outcomes),
+    /// The record change closes an operation whose intent is durable (a
+    /// volume published, a released record dropped): it is written with
+    /// the next write (`StateStore::update_closing`) instead of before the
+    /// transaction returns. The claim changes are made as always.
+    pub closing: bool,
 }
 
 /// What became of a transaction.

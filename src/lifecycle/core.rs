@@ -148,6 +148,23 @@ impl Core {
             changes,
             wanted,
             record,
+            closing: false,
+        })
+    }
+
+    /// As `transact`, for the record change that closes an operation whose
+    /// intent is durable: the caller goes on once readers see it, and it
+    /// is written with the next write (see `StateStore::update_closing`).
+    pub fn transact_closing(
+        &self,
+        changes: Vec<ClaimChange>,
+        record: &mut dyn FnMut(&mut StateFile, &Outcomes),
+    ) -> Result<Applied, StateError> {
+        self.claims.transact(Transaction {
+            changes,
+            wanted: &|_| true,
+            record,
+            closing: true,
         })
     }
 
@@ -187,21 +204,50 @@ impl Core {
         Ok(())
     }
 
+    /// The closing write of a mount: one volume record changed, with the
+    /// claim change when there is one (the attachment recorded with the
+    /// claim); the record changes only when the claim change went through.
+    /// A closing change (see `transact_closing`). `f` runs under the
+    /// state's lock, before any write can carry the change: a failpoint
+    /// there always finds the intent alone on disk.
+    pub fn close_with_claim(
+        &self,
+        alloc_id: &str,
+        alias: &str,
+        change: Option<ClaimChange>,
+        f: impl FnOnce(&mut AllocVolume),
+    ) -> Result<(), StepError> {
+        let mut f = Some(f);
+        let applied = self.transact_closing(change.into_iter().collect(), &mut |s, out| {
+            if out.iter().all(Result::is_ok) {
+                if let (Some(v), Some(f)) = (s.volume_mut(alloc_id, alias), f.take()) {
+                    f(v);
+                }
+            }
+        })?;
+        applied.single()?;
+        Ok(())
+    }
+
     /// Frees the claim and drops the volume's record (and the allocation
-    /// with its last volume).
+    /// with its last volume): the closing write of a release. The claim
+    /// store frees the claim before this returns; the drop is written with
+    /// the next write (a crash before it finds the durable `releasing`
+    /// record and goes down again, every call idempotent).
     pub fn free_and_drop(&self, alloc_id: &str, alias: &str, volume_id: &str) -> StepResult {
         let free = ClaimChange::Free {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
             holder: Some(self.opts.node_name.clone()),
         };
-        let applied = self.transact(vec![free], &|_| true, &mut |s, out| {
+        let applied = self.transact_closing(vec![free], &mut |s, out| {
             if out.iter().all(Result::is_ok) {
                 drop_record(s, alloc_id, alias);
+                // Applied, not yet durable (see `close_with_claim`).
+                crate::failpoints::hit("release-after-claim-freed");
             }
         })?;
         applied.single()?;
-        crate::failpoints::hit("release-after-claim-freed");
         Ok(Step::Done)
     }
 
@@ -224,6 +270,38 @@ impl Core {
         match self.workers.lock().as_mut() {
             Some(t) => t.spawn(name, f).map_err(SpawnError::Io),
             None => Err(SpawnError::Stopping),
+        }
+    }
+}
+
+/// How long the closing write of an operation waits for company: an
+/// operation that starts meanwhile carries it in its own intent's write
+/// (back-to-back operations then pay one fdatasync each).
+pub const CLOSING_WRITE_DELAY: Duration = Duration::from_millis(2);
+/// Longest wait of the flusher for work (the stop wakes it at once).
+const FLUSHER_POLL: Duration = Duration::from_secs(1);
+
+/// The flusher of closing changes (the `state-flush` thread): writes each
+/// within `CLOSING_WRITE_DELAY` unless another write carried it, and what
+/// is left when the agent stops.
+pub fn write_closings(store: &StateStore, shutdown: &Shutdown) {
+    loop {
+        let stopping = shutdown.is_triggered();
+        if store.wait_closing(FLUSHER_POLL, || shutdown.is_triggered()) {
+            if !stopping {
+                shutdown.sleep(CLOSING_WRITE_DELAY);
+            }
+            // Operations were answered; their closing writes are not done.
+            crate::failpoints::hit("answer-before-closing-write");
+            if let Err(e) = store.flush() {
+                log::error!(
+                    "closing state changes were not written: {}",
+                    crate::error_chain(&e)
+                );
+            }
+        }
+        if stopping {
+            return;
         }
     }
 }

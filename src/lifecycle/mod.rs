@@ -81,10 +81,20 @@ impl Lifecycle {
             progress: Default::default(),
             workers: Mutex::new(Some(Threads::new())),
         });
+        let (store, stop) = (core.store.clone(), shutdown.clone());
+        let flusher = core.spawn("state-flush".to_string(), move || {
+            self::core::write_closings(&store, &stop)
+        });
+        if let Err(e) = flusher {
+            // Closing changes then ride with the next write of any change
+            // (and the stop's compaction writes what is left).
+            log::error!("the state flusher did not start: {e:?}");
+        }
         let weak = Arc::downgrade(&core);
         shutdown.on_trigger(move || {
             if let Some(core) = weak.upgrade() {
                 core.progress.wake_all();
+                core.store.wake_flusher();
             }
         });
         Lifecycle { core }

@@ -55,6 +55,13 @@ pub struct SentUp {
 /// (allocation, alias)
 type Key = (String, String);
 
+/// The keys of one allocation's volumes: from (alloc, "") up to, not
+/// including, the next allocation ID (`alloc` followed by a NUL, the
+/// smallest string after every (alloc, alias)).
+fn alloc_range(alloc: &str) -> std::ops::Range<Key> {
+    (alloc.to_string(), String::new())..(format!("{alloc}\0"), String::new())
+}
+
 fn key(alloc: &str, alias: &str) -> Key {
     (alloc.to_string(), alias.to_string())
 }
@@ -62,7 +69,7 @@ fn key(alloc: &str, alias: &str) -> Key {
 #[derive(Default)]
 struct Inner {
     /// (alloc, alias) -> release state of the latest release.
-    releases: HashMap<Key, ReleaseState>,
+    releases: BTreeMap<Key, ReleaseState>,
     /// Release workers running.
     active: HashSet<Key>,
     /// Allocations with a mount or restore running.
@@ -74,7 +81,7 @@ struct Inner {
     finished: VecDeque<Key>,
     /// (alloc, alias) -> the volume of a release report, so a report
     /// outliving its record still names what it released.
-    released_volumes: HashMap<Key, ReleasedVolume>,
+    released_volumes: BTreeMap<Key, ReleasedVolume>,
     /// (alloc, alias) -> the call a running mount or release is at (the
     /// live step `alloc status` shows; the durable phase is coarser).
     steps: HashMap<Key, String>,
@@ -161,8 +168,24 @@ impl Progress {
     /// Forgets the release reports of an earlier allocation of this ID.
     pub fn forget_releases(&self, alloc_id: &str) {
         let mut p = self.inner.lock();
-        p.releases.retain(|(a, _), _| a != alloc_id);
-        p.released_volumes.retain(|(a, _), _| a != alloc_id);
+        // Keyed by (allocation, alias): the allocation's reports are one
+        // range, not a scan of every report kept.
+        let mine: Vec<Key> = p
+            .releases
+            .range(alloc_range(alloc_id))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in mine {
+            p.releases.remove(&k);
+        }
+        let mine: Vec<Key> = p
+            .released_volumes
+            .range(alloc_range(alloc_id))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in mine {
+            p.released_volumes.remove(&k);
+        }
     }
 
     pub fn set_message(&self, alloc_id: &str, alias: &str, msg: Option<String>) {
@@ -396,8 +419,7 @@ impl Progress {
         self.inner
             .lock()
             .releases
-            .iter()
-            .filter(|((a, _), _)| a == alloc_id)
+            .range(alloc_range(alloc_id))
             .map(|((_, alias), st)| (alias.clone(), st.clone()))
             .collect()
     }

@@ -250,7 +250,7 @@ pub fn step(
     Ok(Step::Next)
 }
 
-/// The result, in one durable write: `published` with the publish context,
+/// The result, the closing write: `published` with the publish context,
 /// and the attachment recorded with the claim.
 fn record_published(
     core: &Core,
@@ -263,18 +263,16 @@ fn record_published(
     let published = |v: &mut AllocVolume| {
         v.publish_context = ctx.clone();
         v.phase = Phase::Published;
+        // Applied, not yet durable: a crash here finds `mounting`.
+        failpoints::hit("mount-after-published");
     };
-    if rec.holds_attachment {
-        core.advance_with_claim(
-            alloc_id,
-            alias,
-            attach_change(alloc_id, rec, &ctx),
-            published,
-        )?;
-    } else {
-        core.advance(alloc_id, alias, published)?;
-    }
-    failpoints::hit("mount-after-published");
+    // The closing write: the caller is answered once readers see it; it
+    // is written with the next write (a crash before that redoes the
+    // idempotent way up from the durable `mounting`).
+    let attach = rec
+        .holds_attachment
+        .then(|| attach_change(alloc_id, rec, &ctx));
+    core.close_with_claim(alloc_id, alias, attach, published)?;
     Ok(())
 }
 

@@ -177,6 +177,12 @@ fn state(t: &mut Text, o: &Observer) {
         ws.writes as f64,
     );
     t.single(
+        "claimd_state_undurable_changes",
+        Kind::Gauge,
+        "State changes applied but not on disk yet (closing writes waiting for the next write).",
+        o.lifecycle.store().undurable_changes() as f64,
+    );
+    t.single(
         "claimd_state_fsyncs_total",
         Kind::Counter,
         "fsync and fdatasync calls made for the state.",

@@ -10,16 +10,28 @@
 //! How a state is made durable (a journal line, a rewritten file) is the
 //! owner's: it hands `update` a `persist` function, called without the lock.
 
+use std::time::Duration;
+
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 struct Commit<S> {
-    /// What is durable: what readers see.
+    /// What is durable.
     committed: S,
     /// Changes applied but not yet durable, including the batch being
     /// written; None when everything is durable.
     pending: Option<S>,
+    /// What readers see when it is not `committed`: the durable state plus
+    /// the closing changes applied after it (see `update_closing`).
+    view: Option<S>,
+    /// Readers see every change up to this one.
+    view_seq: u64,
     /// Sequence number of the latest change applied to `pending`.
     applied: u64,
+    /// Sequence number of the latest change whose caller waits for it to
+    /// be durable (every change but a closing one).
+    last_blocking: u64,
+    /// Sequence number of the latest closing change.
+    last_closing: u64,
     /// Every change up to this one is durable.
     durable: u64,
     /// Every change up to this one failed to be written (and was dropped).
@@ -30,10 +42,32 @@ struct Commit<S> {
     writing: bool,
 }
 
+impl<S: Clone> Commit<S> {
+    /// Every change whose caller waits for durability is durable (or was
+    /// dropped by a failed write).
+    fn blocking_settled(&self) -> bool {
+        self.last_blocking <= self.durable.max(self.failed)
+    }
+
+    /// A closing change waits for its write.
+    fn closing_waits(&self) -> bool {
+        self.last_closing > self.durable.max(self.failed)
+    }
+
+    /// Readers see the latest state: nothing but closing changes is
+    /// waiting for its write.
+    fn show_latest(&mut self) {
+        self.view = self.pending.clone();
+        self.view_seq = self.applied;
+    }
+}
+
 /// A state with group commit: see the module documentation.
 pub struct GroupCommit<S> {
     commit: Mutex<Commit<S>>,
     durable_changed: Condvar,
+    /// A closing change waits for its write.
+    closing_applied: Condvar,
 }
 
 impl<S: Clone + PartialEq> GroupCommit<S> {
@@ -43,19 +77,34 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
             commit: Mutex::new(Commit {
                 committed: initial,
                 pending: None,
+                view: None,
+                view_seq: 0,
                 applied: 0,
+                last_blocking: 0,
+                last_closing: 0,
                 durable: 0,
                 failed: 0,
                 failure: String::new(),
                 writing: false,
             }),
             durable_changed: Condvar::new(),
+            closing_applied: Condvar::new(),
         }
     }
 
-    /// Runs `f` on the durable state.
+    /// Runs `f` on what readers see: the durable state, plus the closing
+    /// changes applied after it (never a change whose caller still waits
+    /// for its write).
     pub fn read<R>(&self, f: impl FnOnce(&S) -> R) -> R {
-        f(&self.commit.lock().committed)
+        let g = self.commit.lock();
+        f(g.view.as_ref().unwrap_or(&g.committed))
+    }
+
+    /// Changes applied but not durable yet (closing changes waiting for the
+    /// next write, and the batch being written).
+    pub fn undurable(&self) -> u64 {
+        let g = self.commit.lock();
+        g.applied.saturating_sub(g.durable.max(g.failed))
     }
 
     /// When nothing is pending (so no write is in flight either), replaces
@@ -66,6 +115,7 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         let mut g = self.commit.lock();
         if g.pending.is_none() {
             g.committed = load()?;
+            g.view = None;
         }
         Ok(())
     }
@@ -73,8 +123,9 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
     /// Applies `f` to a copy of the latest state (durable or pending). When
     /// `f` fails nothing changes. When `f` changed something, returns once
     /// the change is durable; when it changed nothing, once the pending
-    /// changes it may have read are durable, or at once if there are none
-    /// (a batch that failed earlier is not an error of this call).
+    /// changes it may have read are durable (closing changes need not be),
+    /// or at once if there are none (a batch that failed earlier is not an
+    /// error of this call).
     ///
     /// The caller that finds no writer becomes the writer of everything
     /// pending: it calls `persist(durable, batch)` without the lock. A
@@ -93,12 +144,13 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         let r = f(&mut next)?;
         let mine = if next != *base {
             g.applied += 1;
+            g.last_blocking = g.applied;
             g.pending = Some(next);
             g.applied
-        } else if g.pending.is_none() {
+        } else if g.blocking_settled() {
             return Ok(r);
         } else {
-            g.applied
+            g.last_blocking
         };
         loop {
             if g.durable >= mine {
@@ -111,38 +163,149 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
                 self.durable_changed.wait(&mut g);
                 continue;
             }
-            // Become the writer of everything pending. `pending` stays in
-            // place: changes applied while we write build on top of it.
-            let Some(batch) = g.pending.clone() else {
-                // Nothing pending yet not durable: cannot happen, but never
-                // spin on it.
+            self.write_pending(&mut g, &mut persist);
+        }
+    }
+
+    /// A closing change: the last write of an operation whose intent is
+    /// durable already, which recovery would redo from that intent. Applied
+    /// to the latest state like `update`, it returns once readers see it
+    /// (at once, or after the write of a change applied before it and
+    /// still waiting for its write), without waiting for its own write:
+    /// that rides with the next write of any change, or with `flush`
+    /// (`wait_closing` tells a flusher there is one). A failed write drops
+    /// it with its batch, like any change (`failed`, when it has not
+    /// returned yet).
+    pub fn update_closing<R, E>(
+        &self,
+        f: impl FnOnce(&mut S) -> Result<R, E>,
+        failed: impl FnOnce(String) -> E,
+    ) -> Result<R, E> {
+        let mut g = self.commit.lock();
+        let base = g.pending.as_ref().unwrap_or(&g.committed);
+        let mut next = base.clone();
+        let r = f(&mut next)?;
+        if next == *base {
+            // Nothing to write; what it read is visible already.
+            return Ok(r);
+        }
+        g.applied += 1;
+        let mine = g.applied;
+        g.last_closing = mine;
+        g.pending = Some(next);
+        if g.blocking_settled() {
+            g.show_latest();
+        }
+        self.closing_applied.notify_all();
+        loop {
+            if g.failed >= mine && g.view_seq < mine {
+                return Err(failed(g.failure.clone()));
+            }
+            if g.view_seq >= mine {
                 return Ok(r);
-            };
-            let old = g.committed.clone();
-            let upto = g.applied;
-            g.writing = true;
-            let res = MutexGuard::unlocked(&mut g, || persist(&old, &batch));
-            g.writing = false;
-            match res {
-                Ok(()) => {
-                    g.committed = batch;
-                    g.durable = upto;
-                    if g.applied == upto {
-                        g.pending = None;
-                    }
-                    // Otherwise `pending` holds this batch plus the changes
-                    // applied meanwhile, for the next writer.
-                }
-                Err(e) => {
-                    // Later changes were built on the failed batch: drop
-                    // them too.
-                    g.failed = g.applied;
-                    g.failure = e;
+            }
+            // A change applied before this one is being written (its caller
+            // is the writer, or waits to become it).
+            self.durable_changed.wait(&mut g);
+        }
+    }
+
+    /// Makes everything applied so far durable (becoming the writer when
+    /// there is none). Err: the write failed (the changes were dropped).
+    pub fn flush(
+        &self,
+        mut persist: impl FnMut(&S, &S) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let mut g = self.commit.lock();
+        if g.pending.is_none() {
+            // Nothing to write (an earlier failure is not this call's).
+            return Ok(());
+        }
+        let target = g.applied;
+        loop {
+            if g.durable >= target {
+                return Ok(());
+            }
+            if g.failed >= target {
+                return Err(g.failure.clone());
+            }
+            if g.pending.is_none() {
+                return Ok(());
+            }
+            if g.writing {
+                self.durable_changed.wait(&mut g);
+                continue;
+            }
+            self.write_pending(&mut g, &mut persist);
+        }
+    }
+
+    /// Waits up to `timeout` until a closing change waits for its write,
+    /// or `wake` is called, unless `stop()` (checked under the lock `wake`
+    /// takes, so a wake is never missed); whether one waits.
+    pub fn wait_closing(&self, timeout: Duration, stop: impl Fn() -> bool) -> bool {
+        let mut g = self.commit.lock();
+        if !g.closing_waits() && !stop() {
+            let _ = self.closing_applied.wait_for(&mut g, timeout);
+        }
+        g.closing_waits()
+    }
+
+    /// Wakes `wait_closing` (to look at its stop condition again).
+    pub fn wake(&self) {
+        let _g = self.commit.lock();
+        self.closing_applied.notify_all();
+    }
+
+    /// Becomes the writer of everything pending: `persist(durable, batch)`
+    /// without the lock, then the outcome for every waiter.
+    fn write_pending(
+        &self,
+        g: &mut MutexGuard<'_, Commit<S>>,
+        persist: &mut impl FnMut(&S, &S) -> Result<(), String>,
+    ) {
+        // `pending` stays in place: changes applied while we write build on
+        // top of it.
+        let Some(batch) = g.pending.clone() else {
+            return;
+        };
+        let old = g.committed.clone();
+        let upto = g.applied;
+        g.writing = true;
+        let res = MutexGuard::unlocked(g, || persist(&old, &batch));
+        g.writing = false;
+        match res {
+            Ok(()) => {
+                g.committed = batch;
+                g.durable = upto;
+                if g.applied == upto {
                     g.pending = None;
                 }
+                // Otherwise `pending` holds this batch plus the changes
+                // applied meanwhile, for the next writer.
+                if g.blocking_settled() {
+                    g.show_latest();
+                } else if upto > g.view_seq {
+                    // A change applied after the batch waits for its
+                    // write: readers see the batch.
+                    g.view = None;
+                    g.view_seq = upto;
+                }
+                if g.pending.is_none() {
+                    g.view = None;
+                }
             }
-            self.durable_changed.notify_all();
+            Err(e) => {
+                // Later changes were built on the failed batch: drop
+                // them too (closing ones included).
+                g.failed = g.applied;
+                g.failure = e;
+                g.pending = None;
+                g.view = None;
+                g.view_seq = g.durable;
+            }
         }
+        self.durable_changed.notify_all();
     }
 
     /// Waits for the writer of the moment, then, unless changes are pending
@@ -359,6 +522,7 @@ mod tests {
             let mut g = gc.commit.lock();
             g.pending = Some(vec![0, 1, 2]);
             g.applied += 1;
+            g.last_blocking = g.applied;
         }
         assert_eq!(gc.exclusive(|_| panic!("not while pending")), None::<()>);
         assert_eq!(
@@ -382,5 +546,70 @@ mod tests {
             first.join().expect("first").expect("durable");
         });
         assert_eq!(gc.read(Clone::clone), vec![5, 1]);
+    }
+
+    #[test]
+    fn a_closing_change_is_seen_at_once_and_rides_with_the_next_write() {
+        let gc = GroupCommit::new(vec![0]);
+        let writes = Mutex::new(Vec::new());
+        let record = |old: &Log, new: &Log| {
+            writes.lock().push((old.clone(), new.clone()));
+            Ok(())
+        };
+        gc.update_closing(push(1), failed).expect("closing");
+        assert_eq!(gc.read(Clone::clone), vec![0, 1], "readers see it");
+        assert_eq!(gc.undurable(), 1);
+        assert!(writes.lock().is_empty(), "nothing written yet");
+        assert!(gc.wait_closing(std::time::Duration::ZERO, || false));
+        // A change that waits for its write writes the closing one with it.
+        gc.update(push(2), record, failed).expect("update");
+        assert_eq!(*writes.lock(), vec![(vec![0], vec![0, 1, 2])]);
+        assert_eq!(gc.undurable(), 0);
+        assert!(!gc.wait_closing(std::time::Duration::ZERO, || true));
+        // A change that changes nothing does not wait for closing ones.
+        gc.update_closing(push(3), failed).expect("closing");
+        let r = gc.update(|l: &mut Log| Ok(l.len()), |_, _| panic!("no write"), failed);
+        assert_eq!(r, Ok(4));
+        gc.flush(record).expect("flush");
+        assert_eq!(writes.lock().len(), 2);
+        assert_eq!(gc.undurable(), 0);
+        gc.flush(|_, _| panic!("nothing to write")).expect("flush");
+    }
+
+    #[test]
+    fn readers_never_see_a_change_whose_write_is_in_flight() {
+        let gc = GroupCommit::new(vec![0]);
+        thread::scope(|s| {
+            let (release, first) = blocked_writer(s, &gc, 1);
+            // Applied after the write began: seen only once that write
+            // (which does not carry it) is done, and not written by it.
+            let closing = s.spawn(|| gc.update_closing(push(2), failed));
+            wait_applied(&gc, 2);
+            assert_eq!(gc.read(Clone::clone), vec![0], "neither is durable");
+            assert_eq!(gc.undurable(), 2);
+            release.send(Ok(())).expect("writer waits");
+            first.join().expect("first").expect("durable");
+            closing.join().expect("closing").expect("seen");
+            assert_eq!(gc.read(Clone::clone), vec![0, 1, 2]);
+            assert_eq!(gc.undurable(), 1, "the closing change waits for a write");
+        });
+        gc.flush(persist_ok).expect("flush");
+        assert_eq!(gc.undurable(), 0);
+    }
+
+    #[test]
+    fn a_failed_write_drops_the_closing_changes_it_carried() {
+        let gc = GroupCommit::new(vec![0]);
+        gc.update_closing(push(1), failed).expect("closing");
+        let r = gc.update(push(2), |_, _| Err("EIO".into()), failed);
+        assert_eq!(r, Err("failed: EIO".to_string()));
+        assert_eq!(gc.read(Clone::clone), vec![0]);
+        assert_eq!(gc.undurable(), 0);
+        gc.update_closing(push(3), failed).expect("closing");
+        assert_eq!(
+            gc.flush(|_, _| Err("ENOSPC".into())),
+            Err("ENOSPC".to_string())
+        );
+        assert_eq!(gc.read(Clone::clone), vec![0]);
     }
 }

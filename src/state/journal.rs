@@ -66,19 +66,17 @@ pub struct AllocChange {
     pub volumes: BTreeMap<String, Option<Arc<AllocVolume>>>,
 }
 
-/// Walks two sorted maps side by side and reports every key whose value
-/// differs: `Some(new)` for added or changed, `None` for removed. Shared
-/// records (the same `Arc`) are skipped without comparing them.
-fn diff_shared<K: Ord + Clone, V: PartialEq>(
+fn diff_shared<K: Ord, V: PartialEq>(
     old: &SharedMap<K, V>,
     new: &SharedMap<K, V>,
     changed: impl FnMut(&K, Option<&Arc<V>>),
 ) {
-    if !SharedMap::same(old, new) {
-        diff_maps(old, new, changed);
-    }
+    SharedMap::diff(old, new, changed);
 }
 
+/// Walks two sorted maps side by side and reports every key whose value
+/// differs: `Some(new)` for added or changed, `None` for removed. Shared
+/// records (the same `Arc`) are skipped without comparing them.
 fn diff_maps<K: Ord + Clone, V: PartialEq>(
     old: &BTreeMap<K, Arc<V>>,
     new: &BTreeMap<K, Arc<V>>,

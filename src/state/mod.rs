@@ -23,13 +23,15 @@
 //! compaction), `group_commit` (sharing one durable write among concurrent
 //! changes), `files` (reading and writing the snapshot and journal files),
 //! `journal` (the journal's line format), `usage` (usage counting over
-//! the records), `error`.
+//! the records), `shared_map` (the chunked maps records are kept in, so an
+//! update copies one chunk, not every record), `error`.
 
 mod error;
 mod files;
 pub mod group_commit;
 pub mod journal;
 mod model;
+mod shared_map;
 mod store;
 #[cfg(test)]
 mod tests;

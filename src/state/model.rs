@@ -201,77 +201,7 @@ pub struct AllocRecord {
 /// (volume ID, allocation ID): the key of a claim.
 pub type ClaimKey = (String, String);
 
-/// A map of shared records that is itself shared: cloning it (every state
-/// update starts from a clone) copies one pointer; the first change to a
-/// shared map copies the map, never the records. Reads go through `Deref`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct SharedMap<K: Ord, V>(Arc<BTreeMap<K, Arc<V>>>);
-
-impl<K: Ord, V> Default for SharedMap<K, V> {
-    fn default() -> Self {
-        SharedMap(Arc::new(BTreeMap::new()))
-    }
-}
-
-impl<K: Ord, V> std::ops::Deref for SharedMap<K, V> {
-    type Target = BTreeMap<K, Arc<V>>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl<K: Ord + Clone, V> SharedMap<K, V> {
-    pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
-        SharedMap(Arc::new(m))
-    }
-
-    /// The map for changing (copied first when shared).
-    pub fn make_mut(&mut self) -> &mut BTreeMap<K, Arc<V>> {
-        Arc::make_mut(&mut self.0)
-    }
-
-    /// Whether both are the same map (then equal without looking).
-    pub fn same(a: &Self, b: &Self) -> bool {
-        Arc::ptr_eq(&a.0, &b.0)
-    }
-
-    pub fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
-        self.make_mut().insert(k, v)
-    }
-
-    pub fn remove<Q>(&mut self, k: &Q) -> Option<Arc<V>>
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Ord + ?Sized,
-    {
-        if !self.0.contains_key(k) {
-            return None;
-        }
-        self.make_mut().remove(k)
-    }
-
-    pub fn get_mut<Q>(&mut self, k: &Q) -> Option<&mut Arc<V>>
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Ord + ?Sized,
-    {
-        if !self.0.contains_key(k) {
-            return None;
-        }
-        self.make_mut().get_mut(k)
-    }
-
-    pub fn values_mut(&mut self) -> std::collections::btree_map::ValuesMut<'_, K, Arc<V>> {
-        self.make_mut().values_mut()
-    }
-
-    pub fn clear(&mut self) {
-        if !self.0.is_empty() {
-            self.make_mut().clear();
-        }
-    }
-}
+pub use super::shared_map::SharedMap;
 
 /// Everything claimd records. Records are shared (`Arc`) between the durable
 /// copy and the copies updates work on, so an update clones pointers, not
@@ -361,7 +291,7 @@ impl StateFile {
         let from = (volume_id.to_string(), String::new());
         let volume_id = volume_id.to_string();
         self.claims
-            .range(from..)
+            .range_from(from)
             .take_while(move |((v, _), _)| *v == volume_id)
             .map(|(_, c)| &**c)
     }

@@ -49,7 +49,11 @@ pub const JOURNAL_MIN_COMPACT: u64 = 1 << 20;
 
 /// The state and its in-memory copy. Every change goes through `update`,
 /// which holds the lock for the whole read-modify-write and returns only
-/// once the change is durable; readers see only durable state.
+/// once the change is durable, or `update_closing` (an operation's last
+/// write, which recovery would redo from its durable intent), which
+/// returns once readers see it and is written with the next write; readers
+/// see durable state and closing changes, never a change whose caller
+/// still waits for its write.
 pub struct StateStore {
     dir: PathBuf,
     path: PathBuf,
@@ -206,12 +210,13 @@ impl StateStore {
         }
     }
 
-    /// Reads the durable state.
+    /// Reads the state: durable, plus closing changes waiting for their
+    /// write.
     pub fn read<R>(&self, f: impl FnOnce(&StateFile) -> R) -> R {
         self.state.read(f)
     }
 
-    /// A copy of the durable state (records are shared, not copied).
+    /// A copy of what `read` sees (records are shared, not copied).
     pub fn snapshot(&self) -> StateFile {
         self.state.read(StateFile::clone)
     }
@@ -238,11 +243,58 @@ impl StateStore {
         )
     }
 
+    /// A closing change (the last write of an operation whose intent is
+    /// durable, which recovery would redo from that intent): applied like
+    /// `update` and seen by readers when this returns, but made durable by
+    /// the next write of any change or by `flush`, not before the caller
+    /// goes on. See `GroupCommit::update_closing`.
+    pub fn update_closing<R, E: From<StateError>>(
+        &self,
+        f: impl FnOnce(&mut StateFile) -> Result<R, E>,
+    ) -> Result<R, E> {
+        self.state.update_closing(f, |failure| {
+            StateError::Write {
+                path: self.journal_path.clone(),
+                source: io::Error::other(failure),
+            }
+            .into()
+        })
+    }
+
+    /// Makes every change applied so far durable (closing ones included).
+    pub fn flush(&self) -> Result<(), StateError> {
+        self.state
+            .flush(|old, batch| self.persist(old, batch).map_err(|e| crate::error_chain(&e)))
+            .map_err(|failure| StateError::Write {
+                path: self.journal_path.clone(),
+                source: io::Error::other(failure),
+            })
+    }
+
+    /// Changes applied but not durable yet: closing changes waiting for the
+    /// next write (0 once they are all on disk).
+    pub fn undurable_changes(&self) -> u64 {
+        self.state.undurable()
+    }
+
+    /// Waits up to `timeout` until a closing change waits for its write,
+    /// unless `stop()`; whether one waits (for the flusher of closing
+    /// changes). `wake_flusher` ends the wait early.
+    pub fn wait_closing(&self, timeout: std::time::Duration, stop: impl Fn() -> bool) -> bool {
+        self.state.wait_closing(timeout, stop)
+    }
+
+    pub fn wake_flusher(&self) {
+        self.state.wake();
+    }
+
     /// Folds the journal into a new snapshot now (on a graceful stop), so
-    /// that `state.json` alone holds the whole state. Waits for a write in
-    /// progress; does nothing when the journal is empty or changes are
-    /// still waiting for their writer (it will write them).
+    /// that `state.json` alone holds the whole state. Writes the changes
+    /// still waiting for their write first (closing changes), waits for a
+    /// write in progress; does nothing when the journal is empty or changes
+    /// are still waiting for their writer (it will write them).
     pub fn compact(&self) -> Result<(), StateError> {
+        self.flush()?;
         self.state
             .exclusive(|state| {
                 let mut j = self.journal.lock();

@@ -426,9 +426,51 @@ impl Agent {
         self.signal_and_wait(libc::SIGTERM, deadline)
     }
 
-    /// SIGKILL, like a crash.
+    /// SIGKILL, like a crash, once the closing state writes of what the
+    /// agent answered are on disk (they follow within milliseconds), so
+    /// the state left is the one the test's operations led to.
     pub fn kill(&mut self) {
+        self.wait_settled();
+        self.kill_now();
+    }
+
+    /// SIGKILL at once, whatever still waits for its write.
+    pub fn kill_now(&mut self) {
         self.process.kill();
+    }
+
+    /// Waits until no closing state write of the running agent waits
+    /// (`claimd_state_undurable_changes` is 0). An agent that is not
+    /// running, or is stopped (every thread in state T), writes nothing
+    /// more: no wait.
+    pub fn wait_settled(&self) {
+        let Some(pid) = self.pid() else {
+            return;
+        };
+        let still_running = || {
+            thread_states(pid)
+                .map(|t| {
+                    !t.is_empty() && t.iter().any(|(_, s)| !matches!(s, 'T' | 't' | 'Z' | 'X'))
+                })
+                .unwrap_or(false)
+        };
+        wait_until(
+            Duration::from_secs(20),
+            "the agent's closing state writes to reach the disk",
+            || {
+                if !still_running() {
+                    return true;
+                }
+                let out = self.cli(&["metrics"]);
+                if out.code != 0 {
+                    // Not answering: settled once it no longer runs.
+                    return !still_running();
+                }
+                out.stdout
+                    .lines()
+                    .any(|l| l == "claimd_state_undurable_changes 0")
+            },
+        );
     }
 
     /// Starts the agent again with the same config; waits for its socket.
@@ -474,6 +516,7 @@ impl Agent {
     /// The bytes of the snapshot followed by those of the journal: what
     /// "the state files did not change" compares.
     pub fn state_bytes(&self) -> Vec<u8> {
+        self.wait_settled();
         let mut b = fs::read(self.state_path()).expect("read the state file");
         b.extend(fs::read(self.journal_path()).expect("read the state journal"));
         b
@@ -482,6 +525,7 @@ impl Agent {
     /// The state as the agent would read it back: the snapshot with the
     /// journal replayed.
     pub fn state(&self) -> Value {
+        self.wait_settled();
         state_of_dir(&self.config.state_dir)
     }
 
@@ -496,7 +540,7 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.kill();
+        self.kill_now();
         if thread::panicking() {
             eprintln!(
                 "---- agent log ({}) ----\n{}",

@@ -235,6 +235,7 @@ impl TestClaims {
             changes,
             wanted,
             record,
+            closing,
         } = txn;
         let refused: Vec<Option<ClaimError>> = changes.iter().map(|c| self.refused(c)).collect();
         let passed: Vec<ClaimChange> = changes
@@ -257,6 +258,7 @@ impl TestClaims {
             changes: passed,
             wanted,
             record: &mut |s: &mut StateFile, out: &Outcomes| record(s, &merge(out)),
+            closing,
         })?;
         Ok(match applied {
             Applied::NotWanted => Applied::NotWanted,
@@ -279,10 +281,15 @@ impl ClaimStore for TestClaims {
                 }
                 let outcomes: Vec<_> = txn.changes.iter().map(|c| self.apply_remote(c)).collect();
                 let record = txn.record;
-                self.state.update(|s| -> Result<(), StateError> {
+                let write = |s: &mut StateFile| -> Result<(), StateError> {
                     record(s, &outcomes);
                     Ok(())
-                })?;
+                };
+                if txn.closing {
+                    self.state.update_closing(write)?;
+                } else {
+                    self.state.update(write)?;
+                }
                 Ok(Applied::Done(outcomes))
             }
         }

@@ -205,6 +205,13 @@ impl Running {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        // As the agent's stop: what is applied is written (closing writes
+        // the flusher did not get to).
+        if let Err(e) = store.flush() {
+            if !quiet {
+                panic!("the stop's flush failed: {e}");
+            }
+        }
         drop(store);
     }
 }
@@ -366,9 +373,22 @@ impl Harness {
         self.state_dir.join(STATE_FILE)
     }
 
+    /// Waits until the running manager's closing state writes are on disk
+    /// (its flusher writes them within milliseconds).
+    pub fn wait_settled(&self) {
+        if let Some(r) = &self.running {
+            wait_until(
+                Duration::from_secs(20),
+                "the closing state writes to reach the disk",
+                || r.store.undurable_changes() == 0,
+            );
+        }
+    }
+
     /// The durable state: the snapshot with the journal replayed (and, with
     /// the remote-like claim store, the claims it holds).
     pub fn state_on_disk(&self) -> StateFile {
+        self.wait_settled();
         let mut s = claimd::state::load_dir(&self.state_dir)
             .expect("the state on disk reads back")
             .expect("there is a state on disk")
@@ -379,6 +399,7 @@ impl Harness {
 
     /// The bytes of the snapshot and of the journal.
     pub fn state_bytes(&self) -> (Vec<u8>, Vec<u8>) {
+        self.wait_settled();
         (
             fs::read(self.state_path()).expect("read the snapshot"),
             fs::read(self.state_dir.join(claimd::state::journal::JOURNAL_FILE))

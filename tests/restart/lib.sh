@@ -251,7 +251,7 @@ _diagnostics() {
 		mounts_under "$T"
 		if [ -n "${STATE_FILE:-}" ] && [ -f "$STATE_FILE" ]; then
 			echo "---- claimd state of $(dirname "$STATE_FILE") (first 3000 bytes) ----"
-			state_json 2>&1 | head -c 3000
+			state_json_now 2>&1 | head -c 3000
 			echo
 		fi
 		echo "======== end of diagnostics ========"
@@ -438,10 +438,40 @@ $(tail -n 30 "$AGENT_LOG")"
 	assert_eq "exit status of the agent after SIGTERM" 0 "$REAPED_STATUS"
 }
 
-# kill_agent: SIGKILL, like a crash.
+# kill_agent: SIGKILL, like a crash, once the agent's closing state writes
+# (answered operations' last writes, which follow within milliseconds) are
+# on disk, so the state left is the one the scenario's operations led to.
+# kill_agent_now: SIGKILL at once, whatever is still waiting for its write.
 kill_agent() {
+	wait_state_settled
+	kill_agent_now
+}
+
+kill_agent_now() {
 	kill -KILL "$AGENT_PID" 2>/dev/null || true
 	reap "$AGENT_PID"
+}
+
+# state_settled: no closing state write of a running agent is waiting (an
+# agent that is not running, or stopped by SIGSTOP, writes nothing more).
+state_settled() {
+	local s m
+	[ -n "${AGENT_PID:-}" ] || return 0
+	s=$(_proc_state "$AGENT_PID")
+	case $s in '' | Z | T | t) return 0 ;; esac
+	m=$(timeout 10 "$CLAIMD_BIN" metrics --socket "$API_SOCKET" 2>/dev/null) || {
+		# Not answering (starting, stopping or dying): nothing to wait for
+		# unless it still runs.
+		alive "$AGENT_PID" || return 0
+		return 1
+	}
+	[ "$(awk '$1 == "claimd_state_undurable_changes" { print $2 }' <<<"$m")" = 0 ]
+}
+
+# wait_state_settled: until state_settled (the flusher writes within a few
+# milliseconds; the bound covers a busy machine).
+wait_state_settled() {
+	wait_for 20 "the agent's closing state writes to reach the disk" state_settled
 }
 
 # expect_agent_killed_at POINT [SECONDS]: the agent started with
@@ -462,12 +492,15 @@ failpoints() {
 }
 
 # failpoint_kind NAME: which path reaches the point: mount, release,
-# restore, state, or cluster (etcd-*: cluster mode only, tests/cluster.rs).
+# restore, state, answer (after the answers, before the closing write:
+# 14-crash-after-answer.sh), or cluster (etcd-*: cluster mode only,
+# tests/cluster.rs).
 # Decided by name, so a new point needs no list here; a point put in the
 # wrong path is caught by expect_agent_killed_at.
 failpoint_kind() {
 	case $1 in
 	restore-*) echo restore ;;
+	answer-*) echo answer ;;
 	state-*) echo state ;;
 	etcd-*) echo cluster ;;
 	release-* | *unpublish* | *unstage*) echo release ;;
@@ -541,7 +574,13 @@ alloc_phases() {
 
 # state_json: the recorded state (the snapshot with the journal replayed,
 # secrets redacted), read the way the agent reads it, by `claimd state`.
-state_json() { "$CLAIMD_BIN" state --state-dir "$(dirname "$STATE_FILE")"; }
+# A running agent's closing writes are waited for first (state_settled);
+# state_json_now reads the files as they are.
+state_json() {
+	wait_state_settled
+	state_json_now
+}
+state_json_now() { "$CLAIMD_BIN" state --state-dir "$(dirname "$STATE_FILE")"; }
 # state_jq JQ-ARGS...: jq over state_json.
 state_jq() {
 	local out

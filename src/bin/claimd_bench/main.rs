@@ -169,6 +169,7 @@ mod cluster;
 mod cluster_support;
 mod disconnect;
 mod fanout;
+mod growth;
 mod scale;
 mod support;
 
@@ -390,7 +391,15 @@ fn main() {
     // ---- 2. restart recovery, 4. footprint with many, 5. write cost -------
     if args.runs("restart") {
         let mut s = Scratch::new();
-        let setup = start_plugin(&args, &mut s);
+        let metrics_addr = growth::free_metrics_addr();
+        let dir = s.dir.clone();
+        let setup = start_plugin_in(
+            &args,
+            &mut s,
+            &dir,
+            &[],
+            json!({"metrics_listen": metrics_addr.to_string()}),
+        );
         let (agent, _) = Agent::start(&args, &setup);
         let c = api(&setup, &env);
         register(&c, &setup, "shared", "multi-node-multi-writer");
@@ -401,6 +410,7 @@ fn main() {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
         });
         let (rss_n, peak) = rss_and_peak(agent.pid());
+        growth::growth(args.restart_n, &c, metrics_addr, &mut results, &mut table);
         // Write cost of one more mount and release with N on record.
         let b = stats(&c);
         mount(&c, "one-more", &["shared".to_string()]);

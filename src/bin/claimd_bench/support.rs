@@ -231,10 +231,22 @@ pub fn metrics_text(c: &ApiClient) -> String {
         .text
 }
 
+/// The store's counters once the closing writes of what was answered are
+/// on disk (they follow within milliseconds), so each operation's writes
+/// count in its own window.
 pub fn stats(c: &ApiClient) -> w::GetStatsResponse {
-    c.raw()
-        .get_stats(&w::GetStatsRequest::new(), opt())
-        .expect("stats")
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c
+            .raw()
+            .get_stats(&w::GetStatsRequest::new(), opt())
+            .expect("stats");
+        if s.state_undurable_changes == 0 {
+            return s;
+        }
+        assert!(Instant::now() < end, "closing state writes never settled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 pub fn volume_calls(log: &Path) -> BTreeMap<String, usize> {

@@ -1,0 +1,135 @@
+//! What may grow with the number of allocations on record: the time and
+//! bytes of one state change, `alloc status` (ListAllocs), a scrape of
+//! `/metrics` over HTTP. Measured in the restart part, with N on record.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use claimd::api::{wire as w, ApiClient};
+use serde_json::{json, Value};
+
+use super::*;
+
+/// A loopback address no one listens on now, for the agent's
+/// `metrics_listen`.
+pub fn free_metrics_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+}
+
+/// GET /metrics over HTTP, the body's length.
+fn scrape(addr: SocketAddr) -> usize {
+    let mut s = TcpStream::connect(addr).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n")
+        .expect("send the scrape");
+    let mut body = Vec::new();
+    s.read_to_end(&mut body).expect("read the scrape");
+    assert!(body.starts_with(b"HTTP/1."), "not an HTTP answer");
+    body.len()
+}
+
+/// The median of `n` timed runs of `f`.
+fn median(n: usize, mut f: impl FnMut()) -> Duration {
+    let mut v: Vec<Duration> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The mean duration of the state writes between two scrapes of the
+/// agent's metrics (`claimd_state_write_duration_seconds`), in milliseconds.
+fn write_seconds(text: &str) -> (f64, f64) {
+    let get = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        get("claimd_state_write_duration_seconds_sum"),
+        get("claimd_state_write_duration_seconds_count"),
+    )
+}
+
+/// Measures, with `n` allocations on record: one mount and one release
+/// of volume `shared` (their times, state bytes and mean write time), then
+/// `alloc status` and a /metrics scrape (medians of 5).
+pub fn growth(
+    n: usize,
+    c: &ApiClient,
+    metrics: SocketAddr,
+    results: &mut serde_json::Map<String, Value>,
+    table: &mut Vec<(String, String)>,
+) {
+    let m0 = metrics_text(c);
+    let b = stats(c);
+    let t = Instant::now();
+    mount(c, "growth-one", &["shared".to_string()]);
+    let mount_time = t.elapsed();
+    let m = stats(c);
+    let t = Instant::now();
+    release(c, "growth-one", Duration::from_secs(60));
+    let release_time = t.elapsed();
+    let e = stats(c);
+    let m1 = metrics_text(c);
+    let ((s0, c0), (s1, c1)) = (write_seconds(&m0), write_seconds(&m1));
+    let writes = c1 - c0;
+    let write_ms = if writes > 0.0 {
+        (s1 - s0) * 1000.0 / writes
+    } else {
+        0.0
+    };
+    let status = median(5, || {
+        c.raw()
+            .list_allocs(&w::ListAllocsRequest::new(), opt())
+            .expect("list");
+    });
+    let mut scraped = 0;
+    let scrape_time = median(5, || scraped = scrape(metrics));
+    results.insert(
+        format!("growth_{n}"),
+        json!({
+            "allocs_on_record": n,
+            "mount_ms": mount_time.as_secs_f64() * 1000.0,
+            "release_ms": release_time.as_secs_f64() * 1000.0,
+            "bytes_per_mount": m.state_bytes_written - b.state_bytes_written,
+            "bytes_per_release": e.state_bytes_written - m.state_bytes_written,
+            "mean_state_write_ms": write_ms,
+            "alloc_status_ms": status.as_secs_f64() * 1000.0,
+            "metrics_scrape_ms": scrape_time.as_secs_f64() * 1000.0,
+            "metrics_scrape_bytes": scraped,
+        }),
+    );
+    table.push((
+        format!(
+            "with {n} on record: one mount / release (ms), state bytes of each, mean state write"
+        ),
+        format!(
+            "{:.2} / {:.2} ms, {} / {} B, {:.3} ms",
+            mount_time.as_secs_f64() * 1000.0,
+            release_time.as_secs_f64() * 1000.0,
+            m.state_bytes_written - b.state_bytes_written,
+            e.state_bytes_written - m.state_bytes_written,
+            write_ms
+        ),
+    ));
+    table.push((
+        format!("with {n} on record: alloc status (ListAllocs) / GET /metrics, median of 5"),
+        format!(
+            "{:.1} / {:.1} ms ({:.0} KiB scraped)",
+            status.as_secs_f64() * 1000.0,
+            scrape_time.as_secs_f64() * 1000.0,
+            scraped as f64 / 1024.0
+        ),
+    ));
+}
