@@ -533,6 +533,7 @@ fn defect_12_a_release_between_a_refused_take_and_its_watch_is_seen() {
             changes: vec![take],
             wanted: &|_| true,
             record: &mut record,
+            closing: false,
         })
         .expect("the local write");
     let Applied::Done(outcomes) = applied else {
