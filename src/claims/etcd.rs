@@ -66,6 +66,43 @@ pub struct StoredClaim {
     pub instance: Option<String>,
 }
 
+/// The takes of one transaction, counted in flight while it lives.
+struct InFlight<'a> {
+    map: &'a Mutex<HashMap<(String, String), usize>>,
+    keys: Vec<(String, String)>,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(map: &'a Mutex<HashMap<(String, String), usize>>, changes: &[ClaimChange]) -> Self {
+        let keys: Vec<(String, String)> = changes
+            .iter()
+            .filter_map(|c| match c {
+                ClaimChange::Take(r) => Some((r.volume_id.clone(), r.alloc_id.clone())),
+                _ => None,
+            })
+            .collect();
+        let mut m = map.lock();
+        for k in &keys {
+            *m.entry(k.clone()).or_default() += 1;
+        }
+        InFlight { map, keys }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        for k in &self.keys {
+            if let Some(n) = m.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(k);
+                }
+            }
+        }
+    }
+}
+
 /// Claims in etcd, shared by the cluster.
 pub struct EtcdClaims {
     pub(super) client: EtcdClient,
@@ -97,6 +134,11 @@ pub struct EtcdClaims {
     /// Claim key -> its epoch (create revision), as this process took or
     /// read it: the fencing token of attach requests.
     epochs: Arc<Mutex<HashMap<String, i64>>>,
+    /// (volume, allocation) of the takes between their round trip and
+    /// their local record (how many of each): the start-up reconciliation
+    /// never takes one of these claims for an orphan, whatever the
+    /// revisions say (a take's revision is known only once it answered).
+    pub(super) takes_in_flight: Arc<Mutex<HashMap<(String, String), usize>>>,
     /// The TTL of the lease each `freed/` note is written on.
     freed_retention: std::time::Duration,
 }
@@ -114,6 +156,7 @@ impl EtcdClaims {
             take_reads: Default::default(),
             first_take_read: Default::default(),
             epochs: Default::default(),
+            takes_in_flight: Default::default(),
             freed_retention: DEFAULT_FREED_NOTE_RETENTION,
         }
     }
@@ -344,6 +387,7 @@ impl EtcdClaims {
             take_reads: self.take_reads.clone(),
             first_take_read: self.first_take_read.clone(),
             epochs: self.epochs.clone(),
+            takes_in_flight: self.takes_in_flight.clone(),
             freed_retention: self.freed_retention,
         }
     }
@@ -417,6 +461,8 @@ impl ClaimStore for EtcdClaims {
             return Ok(Applied::NotWanted);
         }
         // The round trips first, outside every state lock; then the record.
+        // Its takes count as in flight until the record is written.
+        let _in_flight = InFlight::new(&self.takes_in_flight, &txn.changes);
         let round_trip = !txn.changes.is_empty();
         if round_trip {
             crate::failpoints::hit("etcd-before-round-trip");

@@ -133,6 +133,13 @@ impl EtcdClaims {
                 .lock()
                 .entry(kv.key_str().to_string())
                 .or_insert_with(|| (kv.mod_revision, stored.clone()));
+            // A take of this process between its round trip and its
+            // record: not an orphan. (Looked at before the records: a take
+            // leaves this set only once its record is written.)
+            let key = (c.volume_id.clone(), c.alloc_id.clone());
+            if self.takes_in_flight.lock().contains_key(&key) {
+                continue;
+            }
             let recorded = self.state.read(|s| {
                 s.allocs
                     .get(&c.alloc_id)
@@ -141,7 +148,6 @@ impl EtcdClaims {
             if recorded {
                 continue;
             }
-            let key = (c.volume_id.clone(), c.alloc_id.clone());
             let dir = mount_root
                 .join("per-alloc")
                 .join(&c.alloc_id)
