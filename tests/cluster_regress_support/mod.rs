@@ -278,3 +278,20 @@ pub fn faketime_env(offset_s: i64) -> Vec<(String, String)> {
         ("FAKETIME_DONT_FAKE_MONOTONIC".to_string(), "1".to_string()),
     ]
 }
+
+// ---- "last renewed X ago" ------------------------------------------------------
+
+/// A `Duration`'s `Debug` text (`12.345678s`, `950.2ms`, `3µs`, `7ns`) in
+/// milliseconds.
+pub fn debug_duration_ms(text: &str) -> Option<f64> {
+    let (number, per_ms) = [("ms", 1.0), ("µs", 1e-3), ("ns", 1e-6), ("s", 1e3)]
+        .iter()
+        .find_map(|(unit, per_ms)| Some((text.strip_suffix(unit)?, *per_ms)))?;
+    Some(number.parse::<f64>().ok()? * per_ms)
+}
+
+/// X, in ms, of the first "last renewed X ago" in `text`.
+pub fn renewed_ago_ms(text: &str) -> Option<f64> {
+    let rest = text.split("last renewed ").nth(1)?;
+    debug_duration_ms(rest.split(" ago").next()?)
+}
