@@ -5,7 +5,7 @@
 # binary runs in an empty chroot. Prints the path on the last line.
 #
 # TLS to etcd (gRPC's secure core and the system OpenSSL, libssl-dev,
-# linked in statically) is on by default, as packaged: about 16.4 MB.
+# linked in statically) is on by default, as packaged: about 17.7 MB.
 # CLAIMD_NO_TLS=1 builds without it (about 9.1 MB; plain-TCP etcd only).
 # CLAIMD_FEATURES: more cargo features to build with.
 set -euo pipefail
