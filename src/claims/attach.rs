@@ -93,28 +93,45 @@ impl EtcdClaims {
     }
 
     /// Puts the request (want, pending) unless it already stands as asked;
-    /// returns the record as it is after the write.
+    /// returns the record as it is after the write and the revision it
+    /// stands at (a watch from the next revision misses no answer).
     /// `guard`: more compares the write needs (a detach for a node gone
     /// for good: its liveness key still absent).
+    ///
+    /// One `Txn` when the key is as this node last saw it (absent when it
+    /// saw nothing): the write compares against that sight, and a failed
+    /// compare reads what is there in the same round trip. A sight is
+    /// never trusted to skip the write (it may be stale): only a read
+    /// made now says a request already stands.
     fn request(
         &self,
         req: &AttachRequest,
         want: Want,
         guard: &[Compare],
-    ) -> Result<AttachmentRecord, ClaimError> {
+    ) -> Result<(AttachmentRecord, i64), ClaimError> {
         let key = self.attachment_key(&req.volume_id, &req.node);
+        let mut current = self.attachments_seen.lock().get(&key).cloned();
+        // The revision of a read made in this call (0: `current` is only
+        // an earlier sight).
+        let mut read_at = 0;
         for _ in 0..super::etcd::CONFLICT_ATTEMPTS {
-            let current = self.client().get(&key).map_err(unavailable)?;
             let now = now_ms();
             let (compare, rec) = match &current {
-                Some(kv) => {
-                    let old = parse_attachment(kv)?;
+                Some((revision, old)) => {
                     let same_node_id = old.external_node_id == req.external_node_id;
                     if old.want == want
                         && (old.state == AttachState::Pending
                             || (old.state == AttachState::Done && same_node_id))
                     {
-                        return Ok(old);
+                        if read_at != 0 {
+                            return Ok((old.clone(), read_at));
+                        }
+                        // Stands as asked by an earlier sight: read it.
+                        let r = self.client().range(&key, "").map_err(unavailable)?;
+                        current = r.kvs.first().map(seen).transpose()?;
+                        read_at = r.revision;
+                        self.saw(&key, current.as_ref());
+                        continue;
                     }
                     let rec = AttachmentRecord {
                         want,
@@ -125,7 +142,7 @@ impl EtcdClaims {
                         ..fresh(req, want, now)
                     };
                     (
-                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
+                        Compare::mod_revision(key.clone(), CompareOp::Equal, *revision),
                         rec,
                     )
                 }
@@ -136,11 +153,23 @@ impl EtcdClaims {
             compares.extend_from_slice(guard);
             let t = self
                 .client()
-                .txn(&compares, &[TxnOp::put(key.clone(), value)], &[])
+                .txn(
+                    &compares,
+                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::get(key.clone())],
+                )
                 .map_err(unavailable)?;
             if t.succeeded {
-                return Ok(rec);
+                self.saw(&key, Some(&(t.revision, rec.clone())));
+                return Ok((rec, t.revision));
             }
+            current = t
+                .first_range()
+                .and_then(|r| r.kvs.first())
+                .map(seen)
+                .transpose()?;
+            read_at = t.revision;
+            self.saw(&key, current.as_ref());
             if !guard.is_empty() && self.node_is_alive(&req.node)? {
                 return Err(ClaimError::Impossible {
                     volume_id: req.volume_id.clone(),
@@ -154,12 +183,29 @@ impl EtcdClaims {
         })
     }
 
+    /// Remembers this node's last sight of its request `key` (None: gone).
+    fn saw(&self, key: &str, rec: Option<&(i64, AttachmentRecord)>) {
+        let mut seen = self.attachments_seen.lock();
+        match rec {
+            Some(r) => {
+                seen.insert(key.to_string(), r.clone());
+            }
+            None => {
+                seen.remove(key);
+            }
+        }
+    }
+
     /// Reads the request until `done` says it is answered, up to `wait`:
-    /// through a watch on its key (each change seen at once), read once
-    /// after the watch started; by polling when no watch can be made.
+    /// through a watch on its key from the revision after `from` (the
+    /// request as it stood then was seen already: each later change
+    /// arrives as an event, and nothing is read), or from now and read
+    /// once after the watch started when `from` is 0 or the watch cannot
+    /// start there (compacted); by polling when no watch can be made.
     fn wait_for<T>(
         &self,
         req: &AttachRequest,
+        from: i64,
         wait: Duration,
         shutdown: &Shutdown,
         done: impl Fn(Option<&AttachmentRecord>) -> Option<Result<T, AttachError>>,
@@ -167,13 +213,16 @@ impl EtcdClaims {
         let key = self.attachment_key(&req.volume_id, &req.node);
         let started = Instant::now();
         let deadline = started + wait;
-        let watcher = self.client().watch(key.as_bytes(), "", 0).ok();
+        let from_next = (from > 0)
+            .then(|| self.client().watch(key.as_bytes(), "", from + 1).ok())
+            .flatten();
+        let mut read = from_next.is_none();
+        let watcher = from_next.or_else(|| self.client().watch(key.as_bytes(), "", 0).ok());
         let no_answer = || AttachError::NoAnswer {
             waited: started.elapsed(),
             hosts: self.describe_hosts(&req.plugin_id),
         };
         let mut pause = RESULT_POLL_MIN;
-        let mut read = true;
         loop {
             if read {
                 let kv = self
@@ -182,10 +231,11 @@ impl EtcdClaims {
                     .map_err(|e| AttachError::Store(unavailable(e)))?;
                 let rec = kv
                     .as_ref()
-                    .map(parse_attachment)
+                    .map(seen)
                     .transpose()
                     .map_err(AttachError::Store)?;
-                if let Some(answer) = done(rec.as_ref()) {
+                self.saw(&key, rec.as_ref());
+                if let Some(answer) = done(rec.as_ref().map(|(_, r)| r)) {
                     return answer;
                 }
             }
@@ -212,12 +262,14 @@ impl EtcdClaims {
             read = false;
             match w.recv_timeout(Duration::ZERO) {
                 Ok(Some(crate::etcd::WatchEvent::Put(kv))) => {
-                    let rec = parse_attachment(&kv).map_err(AttachError::Store)?;
-                    if let Some(answer) = done(Some(&rec)) {
+                    let rec = seen(&kv).map_err(AttachError::Store)?;
+                    self.saw(&key, Some(&rec));
+                    if let Some(answer) = done(Some(&rec.1)) {
                         return answer;
                     }
                 }
                 Ok(Some(crate::etcd::WatchEvent::Delete(_))) => {
+                    self.saw(&key, None);
                     if let Some(answer) = done(None) {
                         return answer;
                     }
@@ -282,6 +334,11 @@ fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
             Want::Detached => 0,
         },
     }
+}
+
+/// A request as read: its mod revision and its record.
+fn seen(kv: &crate::etcd::KeyValue) -> Result<(i64, AttachmentRecord), ClaimError> {
+    Ok((kv.mod_revision, parse_attachment(kv)?))
 }
 
 fn failed(rec: &AttachmentRecord) -> AttachError {
@@ -422,13 +479,13 @@ impl RemoteControllers for EtcdClaims {
         } else {
             req
         };
-        let rec = self
+        let (rec, at) = self
             .request(req, Want::Attached, &[])
             .map_err(AttachError::Store)?;
         if rec.state == AttachState::Done {
             return Ok(rec.publish_context);
         }
-        self.wait_for(req, wait, shutdown, |rec| match rec {
+        self.wait_for(req, at, wait, shutdown, |rec| match rec {
             Some(r) if r.want == Want::Attached && r.state == AttachState::Done => {
                 Some(Ok(r.publish_context.clone()))
             }
@@ -465,9 +522,10 @@ impl EtcdClaims {
         shutdown: &Shutdown,
         guard: &[Compare],
     ) -> Result<(), AttachError> {
-        self.request(req, Want::Detached, guard)
+        let (_, at) = self
+            .request(req, Want::Detached, guard)
             .map_err(AttachError::Store)?;
-        self.wait_for(req, wait, shutdown, |rec| match rec {
+        self.wait_for(req, at, wait, shutdown, |rec| match rec {
             None => Some(Ok(())),
             Some(r) if r.want == Want::Detached && r.state == AttachState::Failed => {
                 Some(Err(failed(r)))

@@ -141,6 +141,10 @@ pub struct EtcdClaims {
     pub(super) takes_in_flight: Arc<Mutex<HashMap<(String, String), usize>>>,
     /// The TTL of the lease each `freed/` note is written on.
     freed_retention: std::time::Duration,
+    /// This node's attach requests as it last wrote or saw them (mod
+    /// revision, record): what its next write of one compares against.
+    pub(super) attachments_seen:
+        Arc<Mutex<HashMap<String, (i64, super::remote::AttachmentRecord)>>>,
 }
 
 impl EtcdClaims {
@@ -158,6 +162,7 @@ impl EtcdClaims {
             epochs: Default::default(),
             takes_in_flight: Default::default(),
             freed_retention: DEFAULT_FREED_NOTE_RETENTION,
+            attachments_seen: Default::default(),
         }
     }
 
@@ -264,7 +269,7 @@ impl EtcdClaims {
         format!("{}/claims/{volume_id}/", self.prefix)
     }
 
-    fn volume_key(&self, volume_id: &str) -> String {
+    pub(crate) fn volume_key(&self, volume_id: &str) -> String {
         format!("{}/volumes/{volume_id}", self.prefix)
     }
 
@@ -389,6 +394,7 @@ impl EtcdClaims {
             epochs: self.epochs.clone(),
             takes_in_flight: self.takes_in_flight.clone(),
             freed_retention: self.freed_retention,
+            attachments_seen: self.attachments_seen.clone(),
         }
     }
 }
@@ -443,7 +449,7 @@ impl SharedVolumes for EtcdClaims {
     }
 }
 
-fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
+pub(crate) fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
     let spec: VolumeSpec = serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
         key: kv.key_str().into_owned(),
         reason: e.to_string(),

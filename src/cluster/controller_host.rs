@@ -12,26 +12,31 @@
 //! one, restarted, at once) takes the request over; CSI's controller calls
 //! are idempotent, so a call repeated by the next host attaches once. The
 //! result is written only while the request is unchanged and the lock is
-//! still this host's.
+//! still this host's (`host_work`).
+//!
+//! The host works from the watch's events: a pending request's event
+//! carries the request, so taking it costs the lock's `Txn` alone. It reads
+//! every request (a scan) only when the events cannot tell: at start, with
+//! a new lease, when a watch broke or went stale, when a lock went without
+//! its request being answered (a host's lease ended), when a worker could
+//! not answer, and for forwarded calls.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::host_work::{claim_key, LockKey, Prefetch, Work};
 use super::liveness::NodeLiveness;
-use crate::claims::controller_calls::{from_hex, parse_call, to_hex, ControllerCallRecord};
-use crate::claims::remote::{
-    now_ms, parse_attachment, AttachState, AttachmentRecord, ControllerHostRecord, Want,
-};
-use crate::claims::{ClaimError, EtcdClaims, SharedVolumes};
-use crate::etcd::{prefix_end, Compare, CompareOp, KeyValue, LeaseId, TxnOp, Watcher};
+use crate::claims::controller_calls::{parse_call, ControllerCallRecord};
+use crate::claims::remote::{now_ms, parse_attachment, AttachState, ControllerHostRecord};
+use crate::claims::{ClaimError, EtcdClaims};
+use crate::etcd::{prefix_end, Compare, CompareOp, KeyValue, LeaseId, TxnOp, WatchEvent, Watcher};
 use crate::plugins::{PluginKind, PluginSnapshot, Registry};
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
-use crate::volumes::requests::{self, VolumeRef};
 
 /// Longest pause between two scans of the requests when the watch says
 /// nothing (a lock that expired with its lease, a watch that broke).
@@ -70,6 +75,8 @@ impl ControllerHost {
             workers: Threads::new(),
             finished_seen: HashMap::new(),
             scan_again: false,
+            unanswered: Arc::new(AtomicBool::new(false)),
+            deferred: HashMap::new(),
         };
         threads.spawn("controller-host", move || host.run())?;
         Ok(ControllerHost {
@@ -107,18 +114,24 @@ struct Host {
     /// The last scan could not settle a request (a lock not answered):
     /// scan again after `SCAN_INTERVAL` even if nothing changes.
     scan_again: bool,
+    /// A worker ended without answering its request (an error, or the
+    /// request changed or went meanwhile): scan again.
+    unanswered: Arc<AtomicBool>,
+    /// Pending requests whose event came while a worker of this host was
+    /// on them (the latest version of each): looked at once it is done.
+    deferred: HashMap<String, KeyValue>,
 }
 
 impl Host {
-    /// Reads the requests (`scan`) only when something may have changed:
-    /// a watch event, a plugin announced or changed, a worker done, a new
-    /// lease, finished calls waiting out their retention; and every
+    /// Works from the watches' events; reads every request (`scan`) only
+    /// when they cannot tell (see the module's docs), and every
     /// `SCAN_INTERVAL` while a watch is missing or not fresh. An idle host
     /// costs its watches' progress requests, not a full read a second.
     fn run(mut self) {
         let mut watchers: Vec<Watcher> = Vec::new();
         let mut rescan = true;
         let mut scanned_lease = None;
+        let mut events: Vec<WatchEvent> = Vec::new();
         while !self.shutdown.is_triggered() {
             if self.announce() {
                 rescan = true;
@@ -134,9 +147,8 @@ impl Host {
                 }
                 continue;
             }
-            let running = self.workers.len();
             self.workers.reap();
-            if self.workers.len() < running {
+            if self.unanswered.swap(false, Ordering::SeqCst) {
                 rescan = true;
             }
             if watchers.len() < 2 {
@@ -161,17 +173,47 @@ impl Host {
                 || !watched
                 || self.scan_again
                 || !self.finished_seen.is_empty()
+                || self.events_need_scan(&events)
             {
                 rescan = true;
             }
             if let (true, Some(lease)) = (rescan, lease) {
                 self.scan_again = false;
+                events.clear();
+                self.deferred.clear();
                 match self.scan(lease) {
                     Ok(()) => {
                         rescan = false;
                         scanned_lease = Some(lease);
                     }
                     Err(e) => log::warn!("controller host: cannot read the attach requests: {e}"),
+                }
+            } else if let Some(lease) = lease {
+                // Pending requests, from their events' contents, and those
+                // that waited for a worker of this host.
+                let busy = self.busy.lock().clone();
+                let free: Vec<String> = self
+                    .deferred
+                    .keys()
+                    .filter(|k| !busy.contains(*k))
+                    .cloned()
+                    .collect();
+                for key in free {
+                    if let Some(kv) = self.deferred.remove(&key) {
+                        self.consider(&kv, lease);
+                    }
+                }
+                let requests = self.claims.attachments_prefix();
+                for ev in std::mem::take(&mut events) {
+                    match ev {
+                        WatchEvent::Put(kv) if kv.key.starts_with(requests.as_bytes()) => {
+                            self.consider(&kv, lease)
+                        }
+                        WatchEvent::Delete(kv) => {
+                            self.deferred.remove(kv.key_str().as_ref());
+                        }
+                        _ => {}
+                    }
                 }
             }
             if watchers.len() < 2 {
@@ -187,10 +229,10 @@ impl Host {
             }
             select.recv(self.shutdown.receiver());
             if select.ready_timeout(SCAN_INTERVAL).is_ok() {
-                // Something changed (or a watch ended): drain, then scan.
+                // Something changed (or a watch ended): drain.
                 let ended = watchers.iter().any(|w| loop {
                     match w.recv_timeout(Duration::ZERO) {
-                        Ok(Some(_)) => rescan = true,
+                        Ok(Some(ev)) => events.push(ev),
                         Ok(None) => break false,
                         Err(_) => break true,
                     }
@@ -209,6 +251,41 @@ impl Host {
                 left.join(", ")
             );
         }
+    }
+
+    /// Whether events say something a request's own event does not: a
+    /// forwarded call changed, or a request's lock went without its
+    /// request changing at that revision (a host's lease ended, or a
+    /// worker let go without answering).
+    fn events_need_scan(&self, events: &[WatchEvent]) -> bool {
+        let prefix = self.claims.prefix();
+        let requests = format!("{prefix}/attachments/");
+        let locks = format!("{prefix}/attachment-locks/");
+        let changed: HashSet<(String, i64)> = events
+            .iter()
+            .filter_map(|ev| match ev {
+                WatchEvent::Put(kv) | WatchEvent::Delete(kv) => {
+                    let key = kv.key_str();
+                    key.strip_prefix(&requests)
+                        .map(|rest| (rest.to_string(), kv.mod_revision))
+                }
+                WatchEvent::Progress { .. } => None,
+            })
+            .collect();
+        events.iter().any(|ev| match ev {
+            WatchEvent::Put(kv) => {
+                let key = kv.key_str();
+                !key.starts_with(&requests) && !key.starts_with(&locks)
+            }
+            WatchEvent::Delete(kv) => {
+                let key = kv.key_str();
+                match key.strip_prefix(&locks) {
+                    Some(rest) => !changed.contains(&(rest.to_string(), kv.mod_revision)),
+                    None => !key.starts_with(&requests),
+                }
+            }
+            WatchEvent::Progress { .. } => false,
+        })
     }
 
     /// Writes this node's host record of each plugin whose controller side
@@ -266,74 +343,144 @@ impl Host {
             .range_prefix(self.claims.attachments_prefix())
             .map_err(crate::claims::etcd::unavailable)?;
         for kv in &r.kvs {
-            let rec = match parse_attachment(kv) {
-                Ok(r) => r,
-                Err(e) => {
-                    log::warn!("controller host: {e} (left untouched)");
-                    continue;
-                }
-            };
-            let key = kv.key_str().into_owned();
-            if rec.state != AttachState::Pending || self.busy.lock().contains(&key) {
-                continue;
-            }
-            let plain = [
-                ("volume", &rec.volume_id),
-                ("node", &rec.node),
-                ("plugin", &rec.plugin_id),
-            ]
-            .iter()
-            .all(|(what, id)| crate::ids::check_id(what, id).is_ok());
-            if !plain || key != self.claims.attachment_key(&rec.volume_id, &rec.node) {
-                log::warn!(
-                    "controller host: {key} does not name its own volume and node (left untouched)"
-                );
-                continue;
-            }
-            let Some(controller) = self
-                .registry
-                .get_ready(&rec.plugin_id, PluginKind::Controller)
-                .filter(attaches)
-            else {
-                continue;
-            };
-            let lock = LockKey {
-                key: self.claims.attachment_lock_key(&rec.volume_id, &rec.node),
-                value: serde_json::json!({"host": self.node, "lease": lease.to_string()})
-                    .to_string(),
-            };
-            match self.take_lock(&lock, lease) {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    log::warn!("controller host: cannot lock {key}: {e}");
-                    self.scan_again = true;
-                    continue;
-                }
-            }
-            self.busy.lock().insert(key.clone());
-            let work = Work {
-                claims: self.claims.clone(),
-                node: self.node.clone(),
-                key: key.clone(),
-                lock,
-                gives_epoch: self.epoch_plugins.contains(&rec.plugin_id),
-                controller,
-            };
-            let busy = self.busy.clone();
-            let spawned = self.workers.spawn(
-                format!("attach-{}-{}", rec.volume_id, rec.node),
-                move || {
-                    work.perform();
-                    busy.lock().remove(&work.key);
-                },
-            );
-            if let Err(e) = spawned {
-                log::warn!("controller host: cannot start a worker for {key}: {e}");
-                self.busy.lock().remove(&key);
-            }
+            self.consider(kv, lease);
         }
         self.scan_calls(lease)
+    }
+
+    /// Takes one request, as read or as its event showed it, when it is
+    /// pending, of a plugin this node hosts, and no other host holds it.
+    fn consider(&mut self, kv: &KeyValue, lease: LeaseId) {
+        let rec = match parse_attachment(kv) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("controller host: {e} (left untouched)");
+                return;
+            }
+        };
+        let key = kv.key_str().into_owned();
+        if rec.state != AttachState::Pending {
+            self.deferred.remove(&key);
+            return;
+        }
+        if self.busy.lock().contains(&key) {
+            self.deferred.insert(key, kv.clone());
+            return;
+        }
+        let plain = [
+            ("volume", &rec.volume_id),
+            ("node", &rec.node),
+            ("plugin", &rec.plugin_id),
+        ]
+        .iter()
+        .all(|(what, id)| crate::ids::check_id(what, id).is_ok());
+        if !plain || key != self.claims.attachment_key(&rec.volume_id, &rec.node) {
+            log::warn!(
+                "controller host: {key} does not name its own volume and node (left untouched)"
+            );
+            return;
+        }
+        let Some(controller) = self
+            .registry
+            .get_ready(&rec.plugin_id, PluginKind::Controller)
+            .filter(attaches)
+        else {
+            return;
+        };
+        let lock = LockKey {
+            key: self.claims.attachment_lock_key(&rec.volume_id, &rec.node),
+            value: serde_json::json!({"host": self.node, "lease": lease.to_string()}).to_string(),
+        };
+        let claim = claim_key(&self.claims, &rec);
+        let pre = match self.lock_request(&lock, lease, kv, claim.as_deref()) {
+            Ok(Some(pre)) => pre,
+            Ok(None) => return,
+            Err(e) => {
+                log::warn!("controller host: cannot lock {key}: {e}");
+                self.scan_again = true;
+                return;
+            }
+        };
+        self.busy.lock().insert(key.clone());
+        let work = Work {
+            claims: self.claims.clone(),
+            node: self.node.clone(),
+            key: key.clone(),
+            lock,
+            gives_epoch: self.epoch_plugins.contains(&rec.plugin_id),
+            controller,
+        };
+        let (busy, unanswered) = (self.busy.clone(), self.unanswered.clone());
+        let spawned = self.workers.spawn(
+            format!("attach-{}-{}", rec.volume_id, rec.node),
+            move || {
+                let answered = work.perform(pre);
+                busy.lock().remove(&work.key);
+                if !answered {
+                    unanswered.store(true, Ordering::SeqCst);
+                }
+            },
+        );
+        if let Err(e) = spawned {
+            log::warn!("controller host: cannot start a worker for {key}: {e}");
+            self.busy.lock().remove(&key);
+            self.scan_again = true;
+        }
+    }
+
+    /// Takes a request's lock while the request is still as `kv` shows it,
+    /// reading the claim it is for (`claim`) and the volume's registration
+    /// in the same `Txn`. Some(Some(..)): locked, with what was read;
+    /// Some(None): this node's lock from before a restart, taken back (the
+    /// worker reads again); None: not this host's to perform (held by
+    /// another, or the request changed: its next version has its own
+    /// event).
+    fn lock_request(
+        &self,
+        lock: &LockKey,
+        lease: LeaseId,
+        kv: &KeyValue,
+        claim: Option<&str>,
+    ) -> Result<Option<Option<Prefetch>>, ClaimError> {
+        let rec_volume = parse_attachment(kv)?.volume_id;
+        let mut success = vec![
+            TxnOp::put_with_lease(lock.key.clone(), lock.value.clone(), lease),
+            TxnOp::get(self.claims.volume_key(&rec_volume)),
+        ];
+        if let Some(c) = claim {
+            success.push(TxnOp::get(c.to_string()));
+        }
+        let t = self
+            .claims
+            .client()
+            .txn(
+                &[
+                    Compare::absent(lock.key.clone()),
+                    Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
+                ],
+                &success,
+                &[TxnOp::get(lock.key.clone())],
+            )
+            .map_err(crate::claims::etcd::unavailable)?;
+        if t.succeeded {
+            let mut ranges = t.responses.iter().filter_map(|r| match r {
+                crate::etcd::TxnOpResponse::Range(r) => Some(r.kvs.first().cloned()),
+                _ => None,
+            });
+            let spec = ranges.next().flatten();
+            let claim = claim.map(|_| ranges.next().flatten());
+            return Ok(Some(Some(Prefetch {
+                request: kv.clone(),
+                claim,
+                spec,
+            })));
+        }
+        let held = t.first_range().and_then(|r| r.kvs.first()).cloned();
+        match held {
+            // The request changed; the lock is free.
+            None => Ok(None),
+            Some(held) => Ok(self.take_back(lock, lease, &held)?.then_some(None)),
+        }
     }
 
     /// Takes every pending forwarded call of a plugin this node hosts.
@@ -398,12 +545,15 @@ impl Host {
                 gives_epoch: false,
                 controller,
             };
-            let busy = self.busy.clone();
+            let (busy, unanswered) = (self.busy.clone(), self.unanswered.clone());
             let spawned = self
                 .workers
                 .spawn(format!("call-{}", rec.plugin_id), move || {
-                    work.perform_call();
+                    let answered = work.perform_call();
                     busy.lock().remove(&work.key);
+                    if !answered {
+                        unanswered.store(true, Ordering::SeqCst);
+                    }
                 });
             if let Err(e) = spawned {
                 log::warn!("controller host: cannot start a worker for {key}: {e}");
@@ -441,35 +591,48 @@ impl Host {
     /// Takes the request's lock on this node's lease: a free lock, or one
     /// this node held under an earlier lease (before a restart).
     fn take_lock(&self, lock: &LockKey, lease: LeaseId) -> Result<bool, ClaimError> {
-        let client = self.claims.client();
-        let unavailable = crate::claims::etcd::unavailable;
         let put = TxnOp::put_with_lease(lock.key.clone(), lock.value.clone(), lease);
-        let t = client
+        let t = self
+            .claims
+            .client()
             .txn(
                 &[Compare::absent(lock.key.clone())],
                 std::slice::from_ref(&put),
                 &[TxnOp::get(lock.key.clone())],
             )
-            .map_err(unavailable)?;
+            .map_err(crate::claims::etcd::unavailable)?;
         if t.succeeded {
             return Ok(true);
         }
-        let Some(held) = t.first_range().and_then(|r| r.kvs.first()) else {
-            return Ok(false);
-        };
+        match t.first_range().and_then(|r| r.kvs.first()) {
+            Some(held) => self.take_back(lock, lease, held),
+            None => Ok(false),
+        }
+    }
+
+    /// Takes back a lock `held` as read: only one of this node's, and with
+    /// no worker of it on the request (the caller checked).
+    fn take_back(
+        &self,
+        lock: &LockKey,
+        lease: LeaseId,
+        held: &KeyValue,
+    ) -> Result<bool, ClaimError> {
         if held_by(held) != Some(self.node.clone()) {
             return Ok(false);
         }
         if held.lease == Some(lease) {
-            // This node's, under its current lease, and no worker of it is
-            // on the request (the caller checked): left behind by a worker
-            // whose unlock failed. Taken back as it is.
+            // This node's, under its current lease: left behind by a
+            // worker whose unlock failed. Taken back as it is.
             return Ok(held.value == lock.value.as_bytes());
         }
+        let put = TxnOp::put_with_lease(lock.key.clone(), lock.value.clone(), lease);
         let same = Compare::mod_revision(lock.key.clone(), CompareOp::Equal, held.mod_revision);
-        Ok(client
+        Ok(self
+            .claims
+            .client()
             .txn(&[same], &[put], &[])
-            .map_err(unavailable)?
+            .map_err(crate::claims::etcd::unavailable)?
             .succeeded)
     }
 }
@@ -483,332 +646,4 @@ fn attaches(c: &PluginSnapshot) -> bool {
     c.controller_capabilities
         .as_ref()
         .is_some_and(|caps| caps.publish_unpublish_volume)
-}
-
-/// A request lock as this host wrote it.
-struct LockKey {
-    key: String,
-    value: String,
-}
-
-/// One request, performed on a worker thread.
-struct Work {
-    claims: Arc<EtcdClaims>,
-    node: String,
-    key: String,
-    lock: LockKey,
-    /// The plugin asked for the claim's epoch (`cluster.epoch_plugins`).
-    gives_epoch: bool,
-    controller: PluginSnapshot,
-}
-
-impl Work {
-    fn perform(&self) {
-        if let Err(e) = self.try_perform() {
-            log::warn!("controller host: {}: {e}", self.key);
-            self.unlock();
-        }
-    }
-
-    /// The request as it is now, read again under the lock (the requester
-    /// may have changed or withdrawn it); None (lock let go) when gone.
-    fn read_again(&self) -> Result<Option<KeyValue>, ClaimError> {
-        let kv = self
-            .claims
-            .client()
-            .get(&self.key)
-            .map_err(crate::claims::etcd::unavailable)?;
-        if kv.is_none() {
-            self.unlock();
-        }
-        Ok(kv)
-    }
-
-    /// Writes the result (`done`) and lets go of the lock, only while the
-    /// request is as it was read and the lock is still this host's.
-    fn finish(&self, read: &KeyValue, done: TxnOp) -> Result<(), ClaimError> {
-        let t = self
-            .claims
-            .client()
-            .txn(
-                &[
-                    Compare::mod_revision(self.key.clone(), CompareOp::Equal, read.mod_revision),
-                    Compare::value(
-                        self.lock.key.clone(),
-                        CompareOp::Equal,
-                        self.lock.value.clone(),
-                    ),
-                ],
-                &[done, TxnOp::delete(self.lock.key.clone())],
-                &[],
-            )
-            .map_err(crate::claims::etcd::unavailable)?;
-        if !t.succeeded {
-            log::info!(
-                "controller host: {} changed or was withdrawn while it was performed; not answered",
-                self.key
-            );
-            self.unlock();
-        }
-        Ok(())
-    }
-
-    fn try_perform(&self) -> Result<(), ClaimError> {
-        let Some(kv) = self.read_again()? else {
-            return Ok(());
-        };
-        let mut rec = parse_attachment(&kv)?;
-        if rec.state != AttachState::Pending {
-            self.unlock();
-            return Ok(());
-        }
-        // The fencing token: nothing is attached for a claim that is gone
-        // or newer (a request from a node the cluster fenced meanwhile).
-        let refused = match rec.want {
-            Want::Attached => self.claim_gone(&rec)?,
-            Want::Detached => None,
-        };
-        let mut result = match refused {
-            Some(why) => Err((why, false)),
-            None => self.call(&rec),
-        };
-        if let (Want::Attached, Ok(_)) = (&rec.want, &result) {
-            if let Some(why) = self.claim_gone(&rec)? {
-                // Gone during the call: undone before anything is recorded.
-                let undo = AttachmentRecord {
-                    want: Want::Detached,
-                    ..rec.clone()
-                };
-                let undone = match self.call(&undo) {
-                    Ok(_) => "detached again".to_string(),
-                    Err((e, _)) => format!("the detach failed too: {e}"),
-                };
-                log::warn!(
-                    "controller host: volume {} attached to node {} for a claim that went meanwhile: {undone}",
-                    rec.volume_id,
-                    rec.node
-                );
-                result = Err((format!("{why} ({undone})"), false));
-            }
-        }
-        rec.handled_by = Some(self.node.clone());
-        rec.updated_at_ms = now_ms();
-        let done_op = match (&rec.want, result) {
-            (Want::Attached, Ok(ctx)) => {
-                log::info!(
-                    "controller host: attached volume {} to node {} (node ID {})",
-                    rec.volume_id,
-                    rec.node,
-                    rec.external_node_id
-                );
-                rec.state = AttachState::Done;
-                rec.publish_context = ctx;
-                rec.error = None;
-                put(&self.key, &rec)
-            }
-            (Want::Detached, Ok(_)) => {
-                log::info!(
-                    "controller host: detached volume {} from node {} (node ID {})",
-                    rec.volume_id,
-                    rec.node,
-                    rec.external_node_id
-                );
-                TxnOp::delete(self.key.clone())
-            }
-            (_, Err((error, retryable))) => {
-                log::warn!(
-                    "controller host: {} of volume {} for node {} failed: {error}",
-                    match rec.want {
-                        Want::Attached => "ControllerPublishVolume",
-                        Want::Detached => "ControllerUnpublishVolume",
-                    },
-                    rec.volume_id,
-                    rec.node
-                );
-                rec.state = AttachState::Failed;
-                rec.error = Some(error);
-                rec.retryable = retryable;
-                put(&self.key, &rec)
-            }
-        };
-        self.finish(&kv, done_op)
-    }
-
-    /// Why the claim an attach request is for no longer holds (None: it
-    /// does): `claims/<volume>/<alloc>` must exist for the requesting node
-    /// with the request's epoch as its create revision. Requests without an
-    /// epoch (older agents) are not checked.
-    fn claim_gone(&self, rec: &AttachmentRecord) -> Result<Option<String>, ClaimError> {
-        if rec.epoch == 0 || rec.alloc_id.is_empty() {
-            return Ok(None);
-        }
-        let key = format!(
-            "{}/claims/{}/{}",
-            self.claims.prefix(),
-            rec.volume_id,
-            rec.alloc_id
-        );
-        let kv = self
-            .claims
-            .client()
-            .get(&key)
-            .map_err(crate::claims::etcd::unavailable)?;
-        let holds = kv.as_ref().is_some_and(|kv| {
-            kv.create_revision == rec.epoch
-                && crate::claims::etcd::parse(kv).is_ok_and(|c| c.claim.node == rec.node)
-        });
-        Ok((!holds).then(|| {
-            format!(
-                "the claim of allocation {} on node {} with epoch {} is gone or newer (freed, or fenced): not attached",
-                rec.alloc_id, rec.node, rec.epoch
-            )
-        }))
-    }
-
-    /// The controller call; the publish context, or the error and whether
-    /// asking again can help.
-    fn call(&self, rec: &AttachmentRecord) -> Result<BTreeMap<String, String>, (String, bool)> {
-        let spec = match self.claims.get(&rec.volume_id) {
-            Ok(Some(spec)) => spec,
-            Ok(None) => {
-                return Err((
-                    format!("volume {} is not registered in the cluster", rec.volume_id),
-                    false,
-                ))
-            }
-            Err(e) => return Err((e.to_string(), true)),
-        };
-        let no_context = BTreeMap::new();
-        let vref = VolumeRef {
-            external_volume_id: &rec.external_volume_id,
-            external_node_id: Some(&rec.external_node_id),
-            usage: &rec.usage,
-            mount_flags: &rec.mount_flags,
-            mount_group: "",
-            staging_path: None,
-            target_path: Path::new(""),
-            publish_context: &no_context,
-            epoch: (self.gives_epoch && rec.epoch != 0).then_some(rec.epoch),
-        };
-        let client = &self.controller.client;
-        match rec.want {
-            Want::Attached => {
-                let readonly = self
-                    .controller
-                    .controller_capabilities
-                    .as_ref()
-                    .is_some_and(|c| c.publish_readonly);
-                client
-                    .controller_publish_volume(&requests::controller_publish(vref, &spec, readonly))
-                    .map_err(|e| (crate::error_chain(&e), e.is_retryable()))
-            }
-            Want::Detached => {
-                match client
-                    .controller_unpublish_volume(&requests::controller_unpublish(vref, Some(&spec)))
-                {
-                    Err(e) if !e.is_ignorable() => Err((crate::error_chain(&e), e.is_retryable())),
-                    _ => Ok(BTreeMap::new()),
-                }
-            }
-        }
-    }
-
-    fn perform_call(&self) {
-        if let Err(e) = self.try_perform_call() {
-            log::warn!("controller host: {}: {e}", self.key);
-            self.unlock();
-        }
-    }
-
-    fn try_perform_call(&self) -> Result<(), ClaimError> {
-        let Some(kv) = self.read_again()? else {
-            return Ok(());
-        };
-        let mut rec = parse_call(&kv)?;
-        if rec.state != AttachState::Pending {
-            self.unlock();
-            return Ok(());
-        }
-        if rec.expired() {
-            // Its requester gave up: never performed late (a DeleteVolume
-            // after the user saw an error), withdrawn instead.
-            log::warn!(
-                "controller host: {} of plugin {} for node {} not performed: its requester stopped waiting for it",
-                rec.method,
-                rec.plugin_id,
-                rec.requested_by
-            );
-            return self.finish(&kv, TxnOp::delete(self.key.clone()));
-        }
-        let invalid = |why: String| (why, grpcio::RpcStatusCode::INVALID_ARGUMENT, false);
-        let result = match (
-            crate::csi::forwarded_method(&rec.method),
-            from_hex(&rec.request_hex),
-        ) {
-            (None, _) => Err(invalid(format!("{} is not a forwarded method", rec.method))),
-            (_, None) => Err(invalid("the request is not hex".to_string())),
-            (Some(m), Some(bytes)) => self
-                .controller
-                .client
-                .forward_controller_call(m, &bytes)
-                .map_err(|e| {
-                    (
-                        crate::error_chain(&e),
-                        e.code().unwrap_or(grpcio::RpcStatusCode::UNKNOWN),
-                        e.is_retryable(),
-                    )
-                }),
-        };
-        rec.handled_by = Some(self.node.clone());
-        rec.updated_at_ms = now_ms();
-        match result {
-            Ok(reply) => {
-                log::info!(
-                    "controller host: {} of plugin {} for node {} done",
-                    rec.method,
-                    rec.plugin_id,
-                    rec.requested_by
-                );
-                rec.state = AttachState::Done;
-                rec.response_hex = to_hex(&reply);
-            }
-            Err((error, code, retryable)) => {
-                log::warn!(
-                    "controller host: {} of plugin {} for node {} failed: {error}",
-                    rec.method,
-                    rec.plugin_id,
-                    rec.requested_by
-                );
-                rec.state = AttachState::Failed;
-                rec.error = Some(error);
-                rec.code = code.into();
-                rec.retryable = retryable;
-            }
-        }
-        let value = serde_json::to_vec(&rec).expect("a call always encodes");
-        self.finish(&kv, TxnOp::put(self.key.clone(), value))
-    }
-
-    /// Lets go of the lock (only this host's: compared by value).
-    fn unlock(&self) {
-        let same = Compare::value(
-            self.lock.key.clone(),
-            CompareOp::Equal,
-            self.lock.value.clone(),
-        );
-        let del = TxnOp::delete(self.lock.key.clone());
-        if let Err(e) = self.claims.client().txn(&[same], &[del], &[]) {
-            log::info!(
-                "controller host: lock {} stays until this node's lease ends: {e}",
-                self.lock.key
-            );
-        }
-    }
-}
-
-fn put(key: &str, rec: &AttachmentRecord) -> TxnOp {
-    TxnOp::put(
-        key.to_string(),
-        serde_json::to_vec(rec).expect("a request always encodes"),
-    )
 }

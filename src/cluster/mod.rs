@@ -5,6 +5,7 @@
 
 mod controller_host;
 mod disconnect;
+mod host_work;
 mod liveness;
 mod unreachable;
 mod view;

@@ -1,0 +1,448 @@
+//! One request of another node, performed by a controller host on its own
+//! worker thread: an attachment (ControllerPublish or ControllerUnpublish)
+//! or a forwarded volume operation, under the request's lock.
+//!
+//! A request taken from a watch event costs the host two round trips: the
+//! lock's `Txn`, which also reads the claim the request is for and the
+//! volume's registration, and the answer's `Txn`, which writes the result
+//! only while the request is unchanged, the lock is still this host's and
+//! the claim still holds with the request's epoch (a claim that went during
+//! the call fails it, and the call is undone before anything is recorded).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::claims::controller_calls::{from_hex, parse_call, to_hex};
+use crate::claims::remote::{now_ms, parse_attachment, AttachState, AttachmentRecord, Want};
+use crate::claims::{ClaimError, EtcdClaims, SharedVolumes};
+use crate::etcd::{Compare, CompareOp, KeyValue, TxnOp};
+use crate::plugins::PluginSnapshot;
+use crate::volumes::requests::{self, VolumeRef};
+
+/// A request lock as this host wrote it.
+pub(super) struct LockKey {
+    pub(super) key: String,
+    pub(super) value: String,
+}
+
+/// What the lock's `Txn` read with it: the request at the revision it was
+/// locked at, the claim it is for (when it names one) and the volume's
+/// registration.
+pub(super) struct Prefetch {
+    pub(super) request: KeyValue,
+    /// None: the request names no claim (no epoch); Some(None): the claim
+    /// is gone.
+    pub(super) claim: Option<Option<KeyValue>>,
+    pub(super) spec: Option<KeyValue>,
+}
+
+/// One request, performed on a worker thread.
+pub(super) struct Work {
+    pub(super) claims: Arc<EtcdClaims>,
+    pub(super) node: String,
+    pub(super) key: String,
+    pub(super) lock: LockKey,
+    /// The plugin asked for the claim's epoch (`cluster.epoch_plugins`).
+    pub(super) gives_epoch: bool,
+    pub(super) controller: PluginSnapshot,
+}
+
+/// The key of the claim an attach request is for, when it names one.
+pub(super) fn claim_key(claims: &EtcdClaims, rec: &AttachmentRecord) -> Option<String> {
+    (rec.epoch != 0 && !rec.alloc_id.is_empty()).then(|| {
+        format!(
+            "{}/claims/{}/{}",
+            claims.prefix(),
+            rec.volume_id,
+            rec.alloc_id
+        )
+    })
+}
+
+impl Work {
+    /// Performs the request; false when it was not answered (an error, or
+    /// the request changed or went): the host looks at the requests again.
+    pub(super) fn perform(&self, pre: Option<Prefetch>) -> bool {
+        match self.try_perform(pre) {
+            Ok(answered) => answered,
+            Err(e) => {
+                log::warn!("controller host: {}: {e}", self.key);
+                self.unlock();
+                false
+            }
+        }
+    }
+
+    /// The request as it is now, read again under the lock (the requester
+    /// may have changed or withdrawn it); None (lock let go) when gone.
+    fn read_again(&self) -> Result<Option<KeyValue>, ClaimError> {
+        let kv = self
+            .claims
+            .client()
+            .get(&self.key)
+            .map_err(crate::claims::etcd::unavailable)?;
+        if kv.is_none() {
+            self.unlock();
+        }
+        Ok(kv)
+    }
+
+    /// Writes the result (`done`) and lets go of the lock, only while the
+    /// request is as it was read, the lock is still this host's and every
+    /// compare of `more` holds; false (nothing written) otherwise.
+    fn try_finish(
+        &self,
+        read: &KeyValue,
+        done: TxnOp,
+        more: &[Compare],
+    ) -> Result<bool, ClaimError> {
+        let mut compares = vec![
+            Compare::mod_revision(self.key.clone(), CompareOp::Equal, read.mod_revision),
+            Compare::value(
+                self.lock.key.clone(),
+                CompareOp::Equal,
+                self.lock.value.clone(),
+            ),
+        ];
+        compares.extend_from_slice(more);
+        let t = self
+            .claims
+            .client()
+            .txn(
+                &compares,
+                &[done, TxnOp::delete(self.lock.key.clone())],
+                &[],
+            )
+            .map_err(crate::claims::etcd::unavailable)?;
+        Ok(t.succeeded)
+    }
+
+    /// `try_finish`, and the lock let go when the request changed.
+    fn finish(&self, read: &KeyValue, done: TxnOp) -> Result<bool, ClaimError> {
+        let answered = self.try_finish(read, done, &[])?;
+        if !answered {
+            self.not_answered();
+        }
+        Ok(answered)
+    }
+
+    fn not_answered(&self) {
+        log::info!(
+            "controller host: {} changed or was withdrawn while it was performed; not answered",
+            self.key
+        );
+        self.unlock();
+    }
+
+    fn try_perform(&self, pre: Option<Prefetch>) -> Result<bool, ClaimError> {
+        let (kv, claim, spec) = match pre {
+            Some(p) => (p.request, p.claim, Some(p.spec)),
+            None => match self.read_again()? {
+                Some(kv) => (kv, None, None),
+                None => return Ok(false),
+            },
+        };
+        let mut rec = parse_attachment(&kv)?;
+        if rec.state != AttachState::Pending {
+            self.unlock();
+            return Ok(false);
+        }
+        // The fencing token: nothing is attached for a claim that is gone
+        // or newer (a request from a node the cluster fenced meanwhile).
+        let refused = match (rec.want, claim) {
+            (Want::Attached, Some(read)) => gone_why(&rec, read.as_ref()),
+            (Want::Attached, None) => self.claim_gone(&rec)?,
+            (Want::Detached, _) => None,
+        };
+        let result = match refused {
+            Some(why) => Err((why, false)),
+            None => self.call(&rec, spec.as_ref()),
+        };
+        // An attach is recorded only while its claim holds with its epoch.
+        let holds: Vec<Compare> = match (&rec.want, &result, claim_key(&self.claims, &rec)) {
+            (Want::Attached, Ok(_), Some(key)) => {
+                vec![Compare::create_revision(key, CompareOp::Equal, rec.epoch)]
+            }
+            _ => Vec::new(),
+        };
+        rec.handled_by = Some(self.node.clone());
+        rec.updated_at_ms = now_ms();
+        let attempt = rec.clone();
+        let done_op = answer(&self.key, &mut rec, result);
+        if holds.is_empty() {
+            return self.finish(&kv, done_op);
+        }
+        if self.try_finish(&kv, done_op, &holds)? {
+            return Ok(true);
+        }
+        let Some(why) = self.claim_gone(&attempt)? else {
+            // The claim holds: the request changed, or the lock went.
+            self.not_answered();
+            return Ok(false);
+        };
+        // Gone during the call: undone before anything is recorded.
+        let undo = AttachmentRecord {
+            want: Want::Detached,
+            ..attempt.clone()
+        };
+        let undone = match self.call(&undo, spec.as_ref()) {
+            Ok(_) => "detached again".to_string(),
+            Err((e, _)) => format!("the detach failed too: {e}"),
+        };
+        log::warn!(
+            "controller host: volume {} attached to node {} for a claim that went meanwhile: {undone}",
+            attempt.volume_id,
+            attempt.node
+        );
+        let mut rec = attempt;
+        let done_op = answer(
+            &self.key,
+            &mut rec,
+            Err((format!("{why} ({undone})"), false)),
+        );
+        self.finish(&kv, done_op)
+    }
+
+    /// Why the claim an attach request is for no longer holds (None: it
+    /// does), read now. Requests without an epoch (older agents) are not
+    /// checked.
+    fn claim_gone(&self, rec: &AttachmentRecord) -> Result<Option<String>, ClaimError> {
+        let Some(key) = claim_key(&self.claims, rec) else {
+            return Ok(None);
+        };
+        let kv = self
+            .claims
+            .client()
+            .get(&key)
+            .map_err(crate::claims::etcd::unavailable)?;
+        Ok(gone_why(rec, kv.as_ref()))
+    }
+
+    /// The controller call; the publish context, or the error and whether
+    /// asking again can help.
+    /// `spec`: the volume's registration when read already (None: read
+    /// it now; Some(None): not registered).
+    fn call(
+        &self,
+        rec: &AttachmentRecord,
+        spec: Option<&Option<KeyValue>>,
+    ) -> Result<BTreeMap<String, String>, (String, bool)> {
+        let read = match spec {
+            Some(kv) => kv.as_ref().map(crate::claims::etcd::parse_spec).transpose(),
+            None => self.claims.get(&rec.volume_id),
+        };
+        let spec = match read {
+            Ok(Some(spec)) => spec,
+            Ok(None) => {
+                return Err((
+                    format!("volume {} is not registered in the cluster", rec.volume_id),
+                    false,
+                ))
+            }
+            Err(e) => return Err((e.to_string(), true)),
+        };
+        let no_context = BTreeMap::new();
+        let vref = VolumeRef {
+            external_volume_id: &rec.external_volume_id,
+            external_node_id: Some(&rec.external_node_id),
+            usage: &rec.usage,
+            mount_flags: &rec.mount_flags,
+            mount_group: "",
+            staging_path: None,
+            target_path: Path::new(""),
+            publish_context: &no_context,
+            epoch: (self.gives_epoch && rec.epoch != 0).then_some(rec.epoch),
+        };
+        let client = &self.controller.client;
+        match rec.want {
+            Want::Attached => {
+                let readonly = self
+                    .controller
+                    .controller_capabilities
+                    .as_ref()
+                    .is_some_and(|c| c.publish_readonly);
+                client
+                    .controller_publish_volume(&requests::controller_publish(vref, &spec, readonly))
+                    .map_err(|e| (crate::error_chain(&e), e.is_retryable()))
+            }
+            Want::Detached => {
+                match client
+                    .controller_unpublish_volume(&requests::controller_unpublish(vref, Some(&spec)))
+                {
+                    Err(e) if !e.is_ignorable() => Err((crate::error_chain(&e), e.is_retryable())),
+                    _ => Ok(BTreeMap::new()),
+                }
+            }
+        }
+    }
+
+    /// Performs a forwarded call; false when it was not answered.
+    pub(super) fn perform_call(&self) -> bool {
+        match self.try_perform_call() {
+            Ok(answered) => answered,
+            Err(e) => {
+                log::warn!("controller host: {}: {e}", self.key);
+                self.unlock();
+                false
+            }
+        }
+    }
+
+    fn try_perform_call(&self) -> Result<bool, ClaimError> {
+        let Some(kv) = self.read_again()? else {
+            return Ok(false);
+        };
+        let mut rec = parse_call(&kv)?;
+        if rec.state != AttachState::Pending {
+            self.unlock();
+            return Ok(false);
+        }
+        if rec.expired() {
+            // Its requester gave up: never performed late (a DeleteVolume
+            // after the user saw an error), withdrawn instead.
+            log::warn!(
+                "controller host: {} of plugin {} for node {} not performed: its requester stopped waiting for it",
+                rec.method,
+                rec.plugin_id,
+                rec.requested_by
+            );
+            return self.finish(&kv, TxnOp::delete(self.key.clone()));
+        }
+        let invalid = |why: String| (why, grpcio::RpcStatusCode::INVALID_ARGUMENT, false);
+        let result = match (
+            crate::csi::forwarded_method(&rec.method),
+            from_hex(&rec.request_hex),
+        ) {
+            (None, _) => Err(invalid(format!("{} is not a forwarded method", rec.method))),
+            (_, None) => Err(invalid("the request is not hex".to_string())),
+            (Some(m), Some(bytes)) => self
+                .controller
+                .client
+                .forward_controller_call(m, &bytes)
+                .map_err(|e| {
+                    (
+                        crate::error_chain(&e),
+                        e.code().unwrap_or(grpcio::RpcStatusCode::UNKNOWN),
+                        e.is_retryable(),
+                    )
+                }),
+        };
+        rec.handled_by = Some(self.node.clone());
+        rec.updated_at_ms = now_ms();
+        match result {
+            Ok(reply) => {
+                log::info!(
+                    "controller host: {} of plugin {} for node {} done",
+                    rec.method,
+                    rec.plugin_id,
+                    rec.requested_by
+                );
+                rec.state = AttachState::Done;
+                rec.response_hex = to_hex(&reply);
+            }
+            Err((error, code, retryable)) => {
+                log::warn!(
+                    "controller host: {} of plugin {} for node {} failed: {error}",
+                    rec.method,
+                    rec.plugin_id,
+                    rec.requested_by
+                );
+                rec.state = AttachState::Failed;
+                rec.error = Some(error);
+                rec.code = code.into();
+                rec.retryable = retryable;
+            }
+        }
+        let value = serde_json::to_vec(&rec).expect("a call always encodes");
+        self.finish(&kv, TxnOp::put(self.key.clone(), value))
+    }
+
+    /// Lets go of the lock (only this host's: compared by value).
+    fn unlock(&self) {
+        let same = Compare::value(
+            self.lock.key.clone(),
+            CompareOp::Equal,
+            self.lock.value.clone(),
+        );
+        let del = TxnOp::delete(self.lock.key.clone());
+        if let Err(e) = self.claims.client().txn(&[same], &[del], &[]) {
+            log::info!(
+                "controller host: lock {} stays until this node's lease ends: {e}",
+                self.lock.key
+            );
+        }
+    }
+}
+
+fn put(key: &str, rec: &AttachmentRecord) -> TxnOp {
+    TxnOp::put(
+        key.to_string(),
+        serde_json::to_vec(rec).expect("a request always encodes"),
+    )
+}
+
+/// Why the claim `kv` (None: absent) does not hold an attach request's
+/// claim (None: it does): `claims/<volume>/<alloc>` must exist for the
+/// requesting node with the request's epoch as its create revision.
+fn gone_why(rec: &AttachmentRecord, kv: Option<&KeyValue>) -> Option<String> {
+    if rec.epoch == 0 || rec.alloc_id.is_empty() {
+        return None;
+    }
+    let holds = kv.is_some_and(|kv| {
+        kv.create_revision == rec.epoch
+            && crate::claims::etcd::parse(kv).is_ok_and(|c| c.claim.node == rec.node)
+    });
+    (!holds).then(|| {
+        format!(
+            "the claim of allocation {} on node {} with epoch {} is gone or newer (freed, or fenced): not attached",
+            rec.alloc_id, rec.node, rec.epoch
+        )
+    })
+}
+
+/// The answer to write for a request, from the call's result.
+fn answer(
+    key: &str,
+    rec: &mut AttachmentRecord,
+    result: Result<BTreeMap<String, String>, (String, bool)>,
+) -> TxnOp {
+    match (&rec.want, result) {
+        (Want::Attached, Ok(ctx)) => {
+            log::info!(
+                "controller host: attached volume {} to node {} (node ID {})",
+                rec.volume_id,
+                rec.node,
+                rec.external_node_id
+            );
+            rec.state = AttachState::Done;
+            rec.publish_context = ctx;
+            rec.error = None;
+            put(key, rec)
+        }
+        (Want::Detached, Ok(_)) => {
+            log::info!(
+                "controller host: detached volume {} from node {} (node ID {})",
+                rec.volume_id,
+                rec.node,
+                rec.external_node_id
+            );
+            TxnOp::delete(key.to_string())
+        }
+        (_, Err((error, retryable))) => {
+            log::warn!(
+                "controller host: {} of volume {} for node {} failed: {error}",
+                match rec.want {
+                    Want::Attached => "ControllerPublishVolume",
+                    Want::Detached => "ControllerUnpublishVolume",
+                },
+                rec.volume_id,
+                rec.node
+            );
+            rec.state = AttachState::Failed;
+            rec.error = Some(error);
+            rec.retryable = retryable;
+            put(key, rec)
+        }
+    }
+}
