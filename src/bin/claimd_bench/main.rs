@@ -406,6 +406,9 @@ fn main() {
         for i in 0..args.restart_n {
             register(&c, &setup, &format!("r{i}"), "single-node-writer");
         }
+        // The same figures with nothing on record, in the same run: what
+        // grows with the count is the difference.
+        growth::growth(0, &c, metrics_addr, &mut results, &mut table);
         run_parallel(args.restart_n, args.concurrency, |i| {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
         });

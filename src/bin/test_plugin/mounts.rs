@@ -15,9 +15,17 @@ fn mounts() -> io::Result<Vec<Mount>> {
     claimd::mounts::mounts()
 }
 
-/// The topmost mount at `path`, if `path` is a mount point.
+/// The topmost mount at `path`, if `path` is a mount point. The kernel is
+/// asked about that one path first (`claimd::mounts::is_mount_point`): the
+/// mount table, whose reading grows with the node's mounts (1.5 MB with
+/// 10,000), is read only when something is mounted there.
 pub fn mount_at(path: &Path) -> io::Result<Option<Mount>> {
     let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    // The canonical path has no symbolic link left for the check not to
+    // follow. An error (not a directory we can open) leaves it to the table.
+    if let Ok(false) = claimd::mounts::is_mount_point(&canonical) {
+        return Ok(None);
+    }
     Ok(mounts()?
         .into_iter()
         .rev()
