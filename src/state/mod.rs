@@ -23,12 +23,14 @@
 //! compaction), `group_commit` (sharing one durable write among concurrent
 //! changes), `files` (reading and writing the snapshot and journal files),
 //! `journal` (the journal's line format), `usage` (usage counting over
-//! the records), `shared_map` (the chunked maps records are kept in, so an
+//! the records), `index` (the records by volume, for those questions),
+//! `shared_map` (the chunked maps records are kept in, so an
 //! update copies one chunk, not every record), `error`.
 
 mod error;
 mod files;
 pub mod group_commit;
+mod index;
 pub mod journal;
 mod model;
 mod shared_map;

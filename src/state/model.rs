@@ -201,7 +201,92 @@ pub struct AllocRecord {
 /// (volume ID, allocation ID): the key of a claim.
 pub type ClaimKey = (String, String);
 
+use super::shared_map::MapId;
 pub use super::shared_map::SharedMap;
+
+/// Which allocations have a record of a volume, and which have a record
+/// at a staging path: derived from the records, never written (the
+/// questions that use it and why it can be trusted: `index`).
+#[derive(Clone, Default)]
+pub struct RecordIndex {
+    /// The allocation map this describes; None: none yet.
+    built_for: Option<MapId<String, AllocRecord>>,
+    /// (volume ID, allocation ID): the allocation has a record of the
+    /// volume.
+    pub(super) by_volume: SharedMap<(String, String), ()>,
+    /// (staging path, allocation ID): the allocation has a record with
+    /// this staging path.
+    pub(super) by_staging: SharedMap<(PathBuf, String), ()>,
+}
+
+/// Derived from the records: two states with the same records are equal
+/// whatever their indexes (and the state's equality is what decides
+/// whether an update wrote anything).
+impl PartialEq for RecordIndex {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for RecordIndex {}
+
+impl fmt::Debug for RecordIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordIndex({} volume entries)", self.by_volume.len())
+    }
+}
+
+impl RecordIndex {
+    pub(super) fn describes(&self, allocs: &SharedMap<String, AllocRecord>) -> bool {
+        self.built_for.as_ref().is_some_and(|id| id.is(allocs))
+    }
+
+    fn add(&mut self, a: &AllocRecord) {
+        for v in a.volumes.values() {
+            self.by_volume
+                .insert((v.volume_id.clone(), a.id.clone()), Arc::new(()));
+            if let Some(p) = &v.staging_path {
+                self.by_staging
+                    .insert((p.clone(), a.id.clone()), Arc::new(()));
+            }
+        }
+    }
+
+    fn remove(&mut self, a: &AllocRecord) {
+        for v in a.volumes.values() {
+            self.by_volume.remove(&(v.volume_id.clone(), a.id.clone()));
+            if let Some(p) = &v.staging_path {
+                self.by_staging.remove(&(p.clone(), a.id.clone()));
+            }
+        }
+    }
+
+    /// Makes this describe `after`: from the records that differ from
+    /// `before` when this describes `before`, else from every record.
+    pub(super) fn update(
+        &mut self,
+        before: &SharedMap<String, AllocRecord>,
+        after: &SharedMap<String, AllocRecord>,
+    ) {
+        if !self.describes(before) {
+            let mut fresh = RecordIndex::default();
+            for a in after.values() {
+                fresh.add(a);
+            }
+            *self = fresh;
+        } else {
+            SharedMap::diff(before, after, |k, new| {
+                if let Some(old) = before.get(k) {
+                    self.remove(old);
+                }
+                if let Some(new) = new {
+                    self.add(new);
+                }
+            });
+        }
+        self.built_for = Some(after.id());
+    }
+}
 
 /// Everything claimd records. Records are shared (`Arc`) between the durable
 /// copy and the copies updates work on, so an update clones pointers, not
@@ -219,6 +304,9 @@ pub struct StateFile {
     pub claims: SharedMap<ClaimKey, Claim>,
     #[serde(default)]
     pub allocs: SharedMap<String, AllocRecord>,
+    /// The records by volume and staging path, derived (see `index`).
+    #[serde(skip)]
+    pub(super) index: RecordIndex,
 }
 
 /// Claims in the file are a list (as in every earlier file); in memory they
@@ -260,6 +348,7 @@ impl StateFile {
             volumes: SharedMap::default(),
             claims: SharedMap::default(),
             allocs: SharedMap::default(),
+            index: RecordIndex::default(),
         }
     }
 

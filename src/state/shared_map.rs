@@ -116,6 +116,32 @@ impl<K: Ord, V> SharedMap<K, V> {
     }
 }
 
+/// Which map a `SharedMap` is, for something derived from it that must
+/// know whether it still describes it. Holding one keeps the map's outer
+/// node alive and shared, so any change to the map (every change goes
+/// through a copy-on-write of that node) makes a map this is not.
+pub struct MapId<K: Ord, V>(Arc<BTreeMap<K, Arc<Chunk<K, V>>>>);
+
+impl<K: Ord, V> Clone for MapId<K, V> {
+    fn clone(&self) -> Self {
+        MapId(self.0.clone())
+    }
+}
+
+impl<K: Ord, V> MapId<K, V> {
+    /// Whether `m` is the map this names, unchanged.
+    pub fn is(&self, m: &SharedMap<K, V>) -> bool {
+        Arc::ptr_eq(&self.0, &m.chunks)
+    }
+}
+
+impl<K: Ord, V> SharedMap<K, V> {
+    /// This map's identity (see `MapId`).
+    pub fn id(&self) -> MapId<K, V> {
+        MapId(self.chunks.clone())
+    }
+}
+
 impl<K: Ord + Clone, V> SharedMap<K, V> {
     pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
         let len = m.len();

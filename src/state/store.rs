@@ -164,7 +164,7 @@ impl StateStore {
             dir: dir.to_path_buf(),
             path,
             journal_path,
-            state: GroupCommit::new(state),
+            state: GroupCommit::new(state.indexed()),
             journal: Mutex::new(journal),
             recorded_boot_id,
             boot_id: boot_id.to_string(),
@@ -231,7 +231,7 @@ impl StateStore {
         f: impl FnOnce(&mut StateFile) -> Result<R, E>,
     ) -> Result<R, E> {
         self.state.update(
-            f,
+            reindexed(f),
             |old, batch| self.persist(old, batch).map_err(|e| crate::error_chain(&e)),
             |failure| {
                 StateError::Write {
@@ -252,7 +252,7 @@ impl StateStore {
         &self,
         f: impl FnOnce(&mut StateFile) -> Result<R, E>,
     ) -> Result<R, E> {
-        self.state.update_closing(f, |failure| {
+        self.state.update_closing(reindexed(f), |failure| {
             StateError::Write {
                 path: self.journal_path.clone(),
                 source: io::Error::other(failure),
@@ -423,4 +423,16 @@ fn fold(
     let snapshot_len = write_snapshot(dir, path, state)?;
     crate::failpoints::hit("state-after-snapshot");
     Ok((new_journal(dir, journal_path)?, snapshot_len))
+}
+
+/// `f`, then the record index brought along with what it changed.
+fn reindexed<R, E>(
+    f: impl FnOnce(&mut StateFile) -> Result<R, E>,
+) -> impl FnOnce(&mut StateFile) -> Result<R, E> {
+    move |s| {
+        let before = s.allocs.clone();
+        let r = f(s)?;
+        s.reindex_from(&before);
+        Ok(r)
+    }
 }

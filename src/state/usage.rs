@@ -1,8 +1,10 @@
 //! Usage counting: which records count as users of a volume's staging path
-//! and of its controller attachment on this node. Rebuilt from the records
-//! on every question, never kept only in memory: a record counts as a user
-//! from the write that sets its `holds_*` flag (before the call it stands
-//! for) until the write that clears it (after the teardown call).
+//! and of its controller attachment on this node. Answered from the records
+//! on every question, never from a count kept only in memory: a record
+//! counts as a user from the write that sets its `holds_*` flag (before the
+//! call it stands for) until the write that clears it (after the teardown
+//! call). The records of one volume or staging path are found through the
+//! record index (`index`), which is derived from the same records.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -26,10 +28,10 @@ impl StateFile {
         except: RecordKey<'_>,
         past: &BTreeSet<(String, String)>,
     ) -> usize {
-        self.alloc_volumes()
+        self.records_at_staging(path)
+            .into_iter()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .filter(|(_, v)| v.holds_staging && v.staging_path.as_deref() == Some(path))
-            // Last: the key is copied only for records of this path.
+            .filter(|(_, v)| v.holds_staging)
             .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .count()
     }
@@ -42,18 +44,20 @@ impl StateFile {
         except: RecordKey<'_>,
         past: &BTreeSet<(String, String)>,
     ) -> usize {
-        self.alloc_volumes()
+        self.records_of_volume(volume_id)
+            .into_iter()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .filter(|(_, v)| v.holds_attachment && v.volume_id == volume_id)
+            .filter(|(_, v)| v.holds_attachment)
             .filter(|(a, v)| !past.contains(&(a.id.clone(), v.alias.clone())))
             .count()
     }
 
     /// Other records that hold the controller attachment of `volume_id`.
     pub fn attachment_users(&self, volume_id: &str, except: RecordKey<'_>) -> Vec<&AllocVolume> {
-        self.alloc_volumes()
+        self.records_of_volume(volume_id)
+            .into_iter()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .filter(|(_, v)| v.holds_attachment && v.volume_id == volume_id)
+            .filter(|(_, v)| v.holds_attachment)
             .map(|(_, v)| v)
             .collect()
     }
@@ -79,9 +83,10 @@ impl StateFile {
     /// if any: a volume has one staging path per node, and a new user of a
     /// staged volume shares it.
     pub fn staging_path_of(&self, volume_id: &str, except: RecordKey<'_>) -> Option<PathBuf> {
-        self.alloc_volumes()
+        self.records_of_volume(volume_id)
+            .into_iter()
             .filter(|(a, v)| (a.id.as_str(), v.alias.as_str()) != except)
-            .find(|(_, v)| v.volume_id == volume_id && v.holds_staging)
+            .find(|(_, v)| v.holds_staging)
             .and_then(|(_, v)| v.staging_path.clone())
     }
 
@@ -89,11 +94,8 @@ impl StateFile {
     /// and its target is a mount point now): a second user shares the
     /// staging instead of staging again.
     pub fn staging_established(&self, path: &Path, except: RecordKey<'_>) -> bool {
-        self.alloc_volumes().any(|(a, o)| {
-            (a.id.as_str(), o.alias.as_str()) != except
-                && o.holds_staging
-                && o.staging_path.as_deref() == Some(path)
-                && in_use(o)
+        self.records_at_staging(path).into_iter().any(|(a, o)| {
+            (a.id.as_str(), o.alias.as_str()) != except && o.holds_staging && in_use(o)
         })
     }
 }
