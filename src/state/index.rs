@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use super::model::{AllocRecord, AllocVolume, StateFile};
+use super::model::{key_hash, AllocRecord, AllocVolume, StateFile};
 use super::shared_map::SharedMap;
 
 type Allocs = SharedMap<String, AllocRecord>;
@@ -47,20 +47,20 @@ impl StateFile {
         if !self.index.describes(&self.allocs) {
             return scan();
         }
-        let from = (volume_id.to_string(), String::new());
-        let found: Found<'_> = self
+        let vh = key_hash(volume_id.as_bytes());
+        let mut found: Found<'_> = self
             .index
             .by_volume
-            .range_from(from)
-            .take_while(|((v, _), _)| v == volume_id)
-            .filter_map(|((_, a), _)| self.allocs.get(a))
-            .flat_map(|a| {
+            .range_from((vh, 0))
+            .take_while(|((h, _), _)| *h == vh)
+            .flat_map(|(_, a)| {
                 a.volumes
                     .values()
                     .filter(|v| v.volume_id == volume_id)
                     .map(move |v| (&**a, &**v))
             })
             .collect();
+        in_order(&mut found);
         debug_assert!(
             same(&found, &scan()),
             "the record index disagrees with the records on volume {volume_id}"
@@ -78,20 +78,20 @@ impl StateFile {
         if !self.index.describes(&self.allocs) {
             return scan();
         }
-        let from = (path.to_path_buf(), String::new());
-        let found: Found<'_> = self
+        let ph = key_hash(path.as_os_str().as_encoded_bytes());
+        let mut found: Found<'_> = self
             .index
             .by_staging
-            .range_from(from)
-            .take_while(|((p, _), _)| p == path)
-            .filter_map(|((_, a), _)| self.allocs.get(a))
-            .flat_map(|a| {
+            .range_from((ph, 0))
+            .take_while(|((h, _), _)| *h == ph)
+            .flat_map(|(_, a)| {
                 a.volumes
                     .values()
                     .filter(|v| v.staging_path.as_deref() == Some(path))
                     .map(move |v| (&**a, &**v))
             })
             .collect();
+        in_order(&mut found);
         debug_assert!(
             same(&found, &scan()),
             "the record index disagrees with the records at {}",
@@ -99,6 +99,12 @@ impl StateFile {
         );
         found
     }
+}
+
+/// In the order of the records (allocation, then alias), as a scan finds
+/// them: the index's order is its hashes'.
+fn in_order(found: &mut Found<'_>) {
+    found.sort_by(|(a, v), (b, w)| (&a.id, &v.alias).cmp(&(&b.id, &w.alias)));
 }
 
 /// The same records, in the same order.
@@ -223,6 +229,37 @@ mod tests {
         assert_eq!(
             ids(t.records_of_volume("v")),
             vec![("a1".into(), "d".into())]
+        );
+    }
+
+    #[test]
+    fn a_hash_collision_retires_the_index() {
+        let mut s = update(&StateFile::new("b"), |s| {
+            s.allocs
+                .insert("a1".into(), alloc("a1", vec![rec("d", "v", None)]));
+        });
+        // a2's key already names a1, as a collision of hashes would.
+        let a1 = s.allocs.get("a1").cloned().expect("a1");
+        s.index
+            .by_volume
+            .insert((key_hash(b"v"), key_hash(b"a2")), a1);
+        let s = update(&s, |s| {
+            s.allocs
+                .insert("a2".into(), alloc("a2", vec![rec("d", "v", None)]));
+        });
+        assert!(!s.index.describes(&s.allocs));
+        assert_eq!(
+            ids(s.records_of_volume("v")),
+            vec![("a1".into(), "d".into()), ("a2".into(), "d".into())]
+        );
+        // It stays retired: later updates leave it alone.
+        let s = update(&s, |s| {
+            s.allocs.remove("a1");
+        });
+        assert!(!s.index.describes(&s.allocs));
+        assert_eq!(
+            ids(s.records_of_volume("v")),
+            vec![("a2".into(), "d".into())]
         );
     }
 }
