@@ -995,7 +995,8 @@ fn secrets_never_leave_the_state_file() {
 /// client's progress lines may claim it waits for a plugin that is ready.
 #[test]
 fn mount_progress_does_not_blame_a_ready_plugin() {
-    let w = World::new(|_| {});
+    // A CSI deadline well above the 4 s delay: the mount must succeed.
+    let w = World::new(|c| c.csi_call_timeout = "60s".into());
     w.register(&volume_json("db", "ext-db", &["single-node-writer"]));
     w.wait_plugin_ready();
     w.plugin.faults().set(json!([

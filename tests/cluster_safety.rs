@@ -388,8 +388,10 @@ fn a_second_instance_of_a_node_name_neither_registers_nor_frees_the_claims() {
 /// one whose wait has passed: not tested here.)
 #[test]
 fn a_forwarded_call_outlasting_its_wait_is_reported_in_progress_and_cleaned_up() {
+    // The host's CSI deadline well above the 5 s delay: the call must
+    // finish OK on the host, only the requester's wait runs out.
     let c = Cluster::start(vec![
-        host("h", &["b"]),
+        host("h", &["b"]).csi_call_timeout("60s"),
         node_only("b").cluster_field("attach_timeout", json!("2s")),
     ]);
     let (h, b) = (c.node("h"), c.node("b"));
@@ -481,7 +483,9 @@ fn a_release_waiting_for_etcd_frees_its_claim_as_soon_as_etcd_answers() {
 #[test]
 fn an_attach_whose_claim_goes_during_the_call_is_undone_by_the_host() {
     let c = Cluster::start(vec![
-        host("h", &["a", "b"]).plugin_args(&["--log-starts"]),
+        host("h", &["a", "b"])
+            .plugin_args(&["--log-starts"])
+            .csi_call_timeout("60s"),
         node_only("a"),
         node_only("b"),
     ]);
