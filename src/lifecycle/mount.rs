@@ -283,11 +283,13 @@ fn wanted_records(
             });
         }
         for w in wanted.values() {
-            let other = s.alloc_volumes().find(|(a, o)| {
-                a.id != alloc_id
-                    && o.volume_id == w.volume_id
-                    && o.usage.attachment != w.usage.attachment
-            });
+            // The volume's own records (the record index), not every
+            // record on the node.
+            let of_volume = s.records_of_volume(&w.volume_id);
+            let other = of_volume
+                .iter()
+                .copied()
+                .find(|(a, o)| a.id != alloc_id && o.usage.attachment != w.usage.attachment);
             if let Some((a, o)) = other {
                 return Err(MountError::Incompatible {
                     alias: w.alias.clone(),
@@ -300,9 +302,10 @@ fn wanted_records(
                 });
             }
             // The staging is mounted once, for one mount group.
-            let other = s.alloc_volumes().find(|(a, o)| {
-                a.id != alloc_id && o.volume_id == w.volume_id && o.mount_group != w.mount_group
-            });
+            let other = of_volume
+                .iter()
+                .copied()
+                .find(|(a, o)| a.id != alloc_id && o.mount_group != w.mount_group);
             if let Some((a, o)) = other {
                 let group = |g: &str| {
                     if g.is_empty() {
