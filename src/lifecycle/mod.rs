@@ -77,13 +77,16 @@ impl Lifecycle {
             paths: Paths::new(&opts.mount_root),
             opts,
             shutdown: shutdown.clone(),
-            locks: OperationLocks::new(),
+            locks: Arc::new(OperationLocks::new()),
             progress: Default::default(),
             workers: Mutex::new(Some(Threads::new())),
         });
         let (store, stop) = (core.store.clone(), shutdown.clone());
+        // Busy: an operation holds (or waits for) a volume's lock.
+        let locks = core.locks.clone();
+        let busy = move || !locks.is_empty();
         let flusher = core.spawn("state-flush".to_string(), move || {
-            self::core::write_closings(&store, &stop)
+            self::core::write_closings(&store, &stop, busy)
         });
         if let Err(e) = flusher {
             // Closing changes then ride with the next write of any change
