@@ -92,11 +92,11 @@ fn free_by_hand(c: &Cluster, by: &str, alloc: &str) {
 ///
 /// On e20db15 this raced the reconciliation (which releases p1): 6 of 6
 /// runs restaged. Here the race is taken away: ballast makes a Range of
-/// the whole claims prefix too large to receive, so the old code's only
-/// check (reconciliation's whole-range read) fails, while a read of p1's
-/// own claim (what main's restore makes before a call up) works. On
-/// e20db15: "the restore called up for p1 under a freed claim: NodeStage
-/// ..., NodePublish ...".
+/// the whole claims prefix (and of a's claim index) too large to receive,
+/// so the old code's only check (reconciliation's read) fails, while a
+/// read of p1's own claim (what main's restore makes before a call up)
+/// works. On e20db15: "the restore called up for p1 under a freed claim:
+/// NodeStage ..., NodePublish ...".
 #[test]
 fn defect_3_a_restore_stages_nothing_for_a_claim_the_cluster_freed() {
     let mut c = Cluster::start(vec![nfs_node("a"), nfs_node("b")]);
@@ -107,7 +107,7 @@ fn defect_3_a_restore_stages_nothing_for_a_claim_the_cluster_freed() {
     c.wait_gone("a");
     free_by_hand(&c, "b", "p1");
     c.node("b").mount_ok("q1", "data=v");
-    let _ballast = Ballast::plant(&c.etcd);
+    let _ballast = Ballast::plant(&c.etcd, "a");
     let log_from = c.node("a").agent.log().len();
     let restarted_at = now_ms();
     c.node_mut("a").agent.restart();
@@ -135,7 +135,8 @@ fn defect_3_a_restore_stages_nothing_for_a_claim_the_cluster_freed() {
 /// the cluster freed depended on one reconciliation attempt, and a failure
 /// there was only logged. Node a mounts p1 and is killed (its mounts
 /// stay); an operator frees p1's claim; a restarts while a Range of the
-/// whole claims prefix fails (ballast), so its reconciliation fails; then
+/// whole claims prefix and of a's claim index fails (ballast), so its
+/// reconciliation fails; then
 /// the ballast goes. The agent must still release p1 (NodeUnpublish, the
 /// mount gone, the record gone).
 ///
@@ -150,7 +151,7 @@ fn defect_4_a_failed_reconciliation_still_releases_what_the_cluster_freed() {
     c.node_mut("a").agent.kill();
     c.wait_gone("a");
     free_by_hand(&c, "b", "p1");
-    let mut ballast = Ballast::plant(&c.etcd);
+    let mut ballast = Ballast::plant(&c.etcd, "a");
     let log_from = c.node("a").agent.log().len();
     let restarted_at = now_ms();
     c.node_mut("a").agent.restart();
@@ -704,7 +705,8 @@ fn hole_a_a_mount_resumed_after_a_pause_sends_nothing_up() {
 /// with nothing mounted.
 ///
 /// Reconciliation would release p1 on its own after the new registration
-/// (on main and on e20db15): ballast makes its whole-range read fail, so
+/// (on main and on e20db15): ballast makes its read (of every claim, or of
+/// a's claim index) fail, so
 /// the lease rule is all that stands between the NodeStage's answer and
 /// a NodePublish (main's check reads p1's one claim key, which still
 /// works).
@@ -736,7 +738,7 @@ fn hole_a_a_node_back_with_a_new_lease_does_not_carry_on_a_mount_under_the_old_o
     c.wait_gone("a");
     free_by_hand(&c, "b", "p1");
     b.mount_ok("q1", "data=v");
-    let _ballast = Ballast::plant(&c.etcd);
+    let _ballast = Ballast::plant(&c.etcd, "a");
     a.heal();
     wait_until(RETRY_TIMEOUT, "a to register with a new lease", || {
         c.alive("a") && lease_of(&c, "a") != old_lease

@@ -765,8 +765,15 @@ fn node_remove_forgets_a_gone_node_only_once_nothing_of_it_is_left() {
         .cli(&["node", "remove", "b", "--json"])
         .ok()
         .json();
-    assert_eq!(out["removed_keys"], json!(["node-settings/b"]), "{out}");
+    // Its claim index marker goes with it (b's first reconciliation wrote
+    // it).
+    assert_eq!(
+        out["removed_keys"],
+        json!(["node-settings/b", "claim-index/b"]),
+        "{out}"
+    );
     assert!(c.get_json("node-settings/b").is_none());
+    assert!(c.keys("claim-index/").iter().all(|k| k != "claim-index/b"));
     assert!(c
         .keys("node-settings/")
         .contains(&"node-settings/a".to_string()));

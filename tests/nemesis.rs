@@ -130,9 +130,25 @@ fn fixed_records(volume: &str) -> String {
 
 /// The claims and `freed/` notes in etcd now.
 fn read_claims(etcd: &claimd::etcd::EtcdClient, end: &mut EndState) -> Result<(), String> {
-    let claims = etcd
-        .range_prefix(format!("{PREFIX}/claims/"))
-        .map_err(|e| format!("read the claims: {e}"))?;
+    use claimd::etcd::{TxnOp, TxnOpResponse};
+    // The claims and the per-node claim index at one revision (one Txn).
+    let t = etcd
+        .txn(
+            &[],
+            &[
+                TxnOp::get_prefix(format!("{PREFIX}/claims/")),
+                TxnOp::get_prefix(format!("{PREFIX}/node-claims/")),
+            ],
+            &[],
+        )
+        .map_err(|e| format!("read the claims and their index: {e}"))?;
+    let mut ranges = t.responses.into_iter().filter_map(|r| match r {
+        TxnOpResponse::Range(r) => Some(r),
+        _ => None,
+    });
+    let (Some(claims), Some(index)) = (ranges.next(), ranges.next()) else {
+        return Err("the read of the claims and their index lacks a range".to_string());
+    };
     for kv in &claims.kvs {
         let key = kv.key_str();
         let rest = &key[PREFIX.len() + "/claims/".len()..];
@@ -152,6 +168,15 @@ fn read_claims(etcd: &claimd::etcd::EtcdClient, end: &mut EndState) -> Result<()
                 c["state"].as_str().unwrap_or("?").to_string(),
             ),
         );
+    }
+    for kv in &index.kvs {
+        let key = kv.key_str();
+        let rest = &key[PREFIX.len() + "/node-claims/".len()..];
+        let mut parts = rest.splitn(3, '/');
+        if let (Some(node), Some(vol), Some(alloc)) = (parts.next(), parts.next(), parts.next()) {
+            end.index
+                .insert((node.to_string(), vol.to_string(), alloc.to_string()));
+        }
     }
     let freed = etcd
         .range_prefix(format!("{PREFIX}/freed/"))

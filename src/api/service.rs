@@ -371,17 +371,16 @@ impl grpc::Claimd for Service {
         sink: UnarySink<w::ListClaimsResponse>,
     ) {
         self.run(&ctx, "list-claims", sink, move |s| {
-            let (claims, problems) = s
-                .lifecycle
-                .try_list_claims()
-                .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
+            // One volume's claims are read alone, never with every other.
+            let (claims, problems) = if req.volume_id.is_empty() {
+                s.lifecycle.try_list_claims()
+            } else {
+                s.lifecycle.volume_claims(&req.volume_id)
+            }
+            .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
             let mut r = w::ListClaimsResponse::new();
             r.problems = problems;
-            r.claims = claims
-                .iter()
-                .filter(|c| req.volume_id.is_empty() || c.volume_id == req.volume_id)
-                .map(claim_to_wire)
-                .collect();
+            r.claims = claims.iter().map(claim_to_wire).collect();
             // One liveness read per holder node (cluster mode only).
             let mut alive = std::collections::BTreeMap::new();
             for c in &mut r.claims {

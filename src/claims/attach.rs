@@ -677,6 +677,7 @@ impl EtcdClaims {
                     ],
                     &[
                         TxnOp::delete(kv.key.clone()),
+                        TxnOp::delete(self.index_key_of(&kv.key_str(), node)),
                         TxnOp::put_with_lease(
                             note_key,
                             note.to_string(),

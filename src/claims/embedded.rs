@@ -48,6 +48,10 @@ impl ClaimStore for EmbeddedClaims {
         self.state
             .read(|s| s.claims.values().map(|c| (**c).clone()).collect())
     }
+
+    fn local_claims(&self) -> Option<Vec<Claim>> {
+        Some(self.list())
+    }
 }
 
 /// Applies one change to the claims of a state.

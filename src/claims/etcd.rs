@@ -27,7 +27,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 mod changes;
+mod index;
 mod nodes;
+
+pub use index::NodeClaims;
 
 use serde::{Deserialize, Serialize};
 
@@ -539,23 +542,13 @@ impl ClaimStore for EtcdClaims {
         Ok(claims)
     }
 
+    /// One read of `claims/<volume>/`.
+    fn list_volume(&self, volume_id: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+        self.list_prefix(&self.volume_prefix(volume_id))
+    }
+
     fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        let r = self
-            .client
-            .range_prefix(self.all_prefix())
-            .map_err(unavailable)?;
-        let mut claims = Vec::new();
-        let mut problems = Vec::new();
-        for kv in &r.kvs {
-            match parse(kv) {
-                Ok(s) => claims.push(Claim {
-                    since_ms: s.claim.since_ms.or(Some(s.taken_at_ms)),
-                    ..s.claim
-                }),
-                Err(e) => problems.push(e.to_string()),
-            }
-        }
-        Ok((claims, problems))
+        self.list_prefix(&self.all_prefix())
     }
 
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
@@ -675,6 +668,25 @@ impl ClaimStore for EtcdClaims {
             )
             .map_err(unavailable)?;
         Ok(())
+    }
+}
+
+impl EtcdClaims {
+    /// The valid claims under `prefix`, and a line per value that is not one.
+    fn list_prefix(&self, prefix: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+        let r = self.client.range_prefix(prefix).map_err(unavailable)?;
+        let mut claims = Vec::new();
+        let mut problems = Vec::new();
+        for kv in &r.kvs {
+            match parse(kv) {
+                Ok(s) => claims.push(Claim {
+                    since_ms: s.claim.since_ms.or(Some(s.taken_at_ms)),
+                    ..s.claim
+                }),
+                Err(e) => problems.push(e.to_string()),
+            }
+        }
+        Ok((claims, problems))
     }
 }
 

@@ -191,6 +191,23 @@ pub trait ClaimStore: Send + Sync {
     fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
         Ok(self.list())
     }
+    /// The valid claims of one volume (in cluster stores: every node's) and
+    /// a line per stored value of it that is not one, or why the store
+    /// cannot tell now; reads only that volume's claims.
+    fn list_volume(&self, volume_id: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+        let (claims, problems) = self.list_with_problems()?;
+        let claims = claims
+            .into_iter()
+            .filter(|c| c.volume_id == volume_id)
+            .collect();
+        Ok((claims, problems))
+    }
+    /// The claims this node holds, when the store keeps them on this node
+    /// (one node); None when they live in a store shared by the cluster
+    /// (count them from this node's records instead: no round trip).
+    fn local_claims(&self) -> Option<Vec<Claim>> {
+        None
+    }
     /// Every valid claim, and a line per stored value that is not one.
     fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
         Ok((self.try_list()?, Vec::new()))

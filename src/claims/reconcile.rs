@@ -1,9 +1,11 @@
 //! The start-up reconciliation of the etcd claim store: this node's claims
 //! against its local records, after each registration of its liveness.
 
-use super::etcd::{parse, unavailable, EtcdClaims};
+use std::collections::HashSet;
+
+use super::etcd::{parse, unavailable, EtcdClaims, StoredClaim};
 use super::ClaimError;
-use crate::etcd::{Compare, CompareOp, TxnOp};
+use crate::etcd::{Compare, CompareOp, KeyValue, TxnOp};
 
 /// What the start-up reconciliation found.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -44,14 +46,29 @@ impl EtcdClaims {
                 .map(|(a, v)| (v.volume_id.clone(), a.id.clone()))
                 .collect()
         });
-        let r = self
-            .client
-            .range_prefix(self.all_prefix())
-            .map_err(unavailable)?;
+        // What this node holds: through its index (the claims of its
+        // entries and of its records, read by key), or, before its first
+        // reconciliation with the index, by reading every claim (its older
+        // claims are indexed at the end).
+        let index = self.read_index(node)?;
+        let kvs: Vec<KeyValue> = if index.marker {
+            let mut wanted: HashSet<(String, String)> =
+                index.entries.iter().map(|(p, _)| p.clone()).collect();
+            wanted.extend(past_claim.iter().cloned());
+            let read = self.get_claims(&wanted)?;
+            self.drop_stale_entries(node, &index.entries, &read);
+            let mut kvs: Vec<KeyValue> = read.into_values().collect();
+            kvs.sort_by(|a, b| a.key.cmp(&b.key));
+            kvs
+        } else {
+            self.client
+                .range_prefix(self.all_prefix())
+                .map_err(unavailable)?
+                .kvs
+        };
         // Held by this node, or not known by whom (a value that is not a
         // claim is never taken for a freed one).
-        let held: std::collections::HashSet<(String, String)> = r
-            .kvs
+        let held: HashSet<(String, String)> = kvs
             .iter()
             .filter_map(|kv| match parse(kv) {
                 Ok(s) if s.claim.node == node => Some((s.claim.volume_id, s.claim.alloc_id)),
@@ -95,7 +112,7 @@ impl EtcdClaims {
             lost,
             ..Reconciled::default()
         };
-        for kv in &r.kvs {
+        for kv in &kvs {
             let Ok(stored) = parse(kv) else {
                 // A corrupt value is reported where it is used, never
                 // touched here.
@@ -166,7 +183,14 @@ impl EtcdClaims {
             let same = Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
             let t = self
                 .client
-                .txn(&[same], &[TxnOp::delete(kv.key.clone())], &[])
+                .txn(
+                    &[same],
+                    &[
+                        TxnOp::delete(kv.key.clone()),
+                        TxnOp::delete(self.index_key_of(&kv.key_str(), node)),
+                    ],
+                    &[],
+                )
                 .map_err(unavailable)?;
             if t.succeeded {
                 log::warn!(
@@ -176,6 +200,22 @@ impl EtcdClaims {
                 );
                 out.freed.push(key);
             }
+        }
+        if !index.marker {
+            let mine: Vec<(KeyValue, StoredClaim)> = kvs
+                .iter()
+                .filter_map(|kv| {
+                    let s = parse(kv).ok()?;
+                    let pair = (s.claim.volume_id.clone(), s.claim.alloc_id.clone());
+                    (s.claim.node == node && !out.freed.contains(&pair)).then(|| (kv.clone(), s))
+                })
+                .collect();
+            let have: HashSet<(String, String)> =
+                index.entries.iter().map(|(p, _)| p.clone()).collect();
+            let added = self.index_older_claims(node, &mine, &have)?;
+            log::info!(
+                "cluster: this node's claims are indexed now ({added} older claim(s) added to node-claims/{node}/): later reconciliations read only those"
+            );
         }
         Ok(out)
     }

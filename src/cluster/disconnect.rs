@@ -37,7 +37,7 @@ use super::liveness::NodeLiveness;
 use super::view::{NodeSettings, NodeView, NodesSnapshot};
 use crate::claims::etcd::unavailable;
 use crate::claims::fencing::{self, Fencing, FreeRule};
-use crate::claims::{ClaimError, ClaimStore, EtcdClaims};
+use crate::claims::{ClaimError, EtcdClaims};
 use crate::etcd::{Compare, LeaseId, TxnOp};
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
@@ -400,19 +400,12 @@ impl Reaper {
     /// each one kept (nothing can fence it).
     fn reap(&mut self, node: &str, wait: Duration, lease: LeaseId) -> Result<bool, ClaimError> {
         let claims = self.parts.claims.clone();
-        let volumes: Vec<String> = {
-            // A value that is not a claim is skipped (and reported where
-            // it is listed), never a reason to stop reaping other nodes.
-            let (all, _problems) = ClaimStore::list_with_problems(&*claims)?;
-            let mut v: Vec<String> = all
-                .into_iter()
-                .filter(|c| c.node == node)
-                .map(|c| c.volume_id)
-                .collect();
-            v.sort();
-            v.dedup();
-            v
-        };
+        // The node's claims through its index (a few small reads), never
+        // every claim of the cluster, unless the node never ran a claimd
+        // with the index. A value that is not a claim is skipped (and
+        // reported where it is listed), never a reason to stop reaping
+        // other nodes.
+        let volumes = claims.claims_of_node(node)?.volumes();
         let unreachable = &self.parts.liveness.unreachable;
         unreachable.retain_node(node, &volumes);
         if volumes.is_empty() {

@@ -411,10 +411,9 @@ impl Driver {
         if !status {
             return p::volume(&spec.id, &mountpoint, None);
         }
-        let claims: Vec<Value> = match self.lifecycle.try_list_claims() {
+        let claims: Vec<Value> = match self.lifecycle.volume_claims(&spec.id) {
             Ok((claims, _)) => claims
                 .iter()
-                .filter(|c| c.volume_id == spec.id)
                 .map(|c| {
                     json!({"allocation": c.alloc_id, "node": c.node, "mode": c.mode.name(),
                            "access_mode": c.access_mode.name(), "state": c.state})

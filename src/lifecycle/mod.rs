@@ -48,7 +48,7 @@ pub use snapshots::SnapshotView;
 pub use status::{AllocStatus, VolumeStatus};
 pub use volume_ops::Expansion;
 
-use crate::claims::{Claim, ClaimStore, ControllerHostRecord, NodeDetach};
+use crate::claims::{Claim, ClaimState, ClaimStore, ControllerHostRecord, NodeDetach};
 use crate::plugins::Registry;
 use crate::shutdown::Shutdown;
 use crate::state::StateStore;
@@ -116,6 +116,29 @@ impl Lifecycle {
         self.core.claims.list()
     }
 
+    /// The states of the claims this node holds: the store's own on one
+    /// node; in a cluster, counted from this node's records (a record past
+    /// its take holds its claim), so that asking costs the cluster store
+    /// nothing (a metrics scrape would otherwise read every claim of the
+    /// cluster, on every node).
+    pub fn claim_states_here(&self) -> Vec<ClaimState> {
+        if let Some(claims) = self.core.claims.local_claims() {
+            return claims.iter().map(|c| c.state).collect();
+        }
+        self.core.store.read(|s| {
+            s.alloc_volumes()
+                .filter(|(_, v)| v.phase != crate::state::Phase::Claiming)
+                .map(|(a, v)| {
+                    if a.releasing || v.phase.is_teardown() {
+                        ClaimState::Releasing
+                    } else {
+                        ClaimState::Taken
+                    }
+                })
+                .collect()
+        })
+    }
+
     /// Frees a claim by hand (`claimd claim free`): a claim left behind by
     /// an allocation that no agent will release. Refused when an
     /// allocation on this node records it (release it instead), and while
@@ -131,7 +154,12 @@ impl Lifecycle {
         if reason.trim().is_empty() {
             return Err(FreeClaimError::NoReason);
         }
-        let claims = self.core.claims.try_list().map_err(FreeClaimError::Store)?;
+        let claims = self
+            .core
+            .claims
+            .list_volume(volume_id)
+            .map_err(FreeClaimError::Store)?
+            .0;
         let claim = claims
             .into_iter()
             .find(|c| c.volume_id == volume_id && c.alloc_id == alloc_id)
@@ -274,6 +302,15 @@ impl Lifecycle {
         self.core.claims.list_with_problems()
     }
 
+    /// The claims of one volume, and a line per stored value of it that is
+    /// not a claim (reads only that volume's claims).
+    pub fn volume_claims(
+        &self,
+        volume_id: &str,
+    ) -> Result<(Vec<Claim>, Vec<String>), crate::claims::ClaimError> {
+        self.core.claims.list_volume(volume_id)
+    }
+
     pub fn registry(&self) -> &Registry {
         &self.core.registry
     }
@@ -367,9 +404,10 @@ impl Lifecycle {
         let claims = self
             .core
             .claims
-            .try_list()
-            .map_err(VolumeRegistryError::Claims)?;
-        match claims.into_iter().find(|c| c.volume_id == id) {
+            .list_volume(id)
+            .map_err(VolumeRegistryError::Claims)?
+            .0;
+        match claims.into_iter().next() {
             Some(c) => Err(VolumeRegistryError::InUse {
                 volume_id: id.to_string(),
                 holder: c.alloc_id,

@@ -99,15 +99,19 @@ fn records(t: &mut Text, o: &Observer) {
 
 fn claims(t: &mut Text, o: &Observer) {
     let mut by_state: BTreeMap<&'static str, u64> = [("taken", 0), ("releasing", 0)].into();
-    for c in o.lifecycle.list_claims() {
-        let s = match c.state {
+    for state in o.lifecycle.claim_states_here() {
+        let s = match state {
             ClaimState::Taken => "taken",
             ClaimState::Releasing => "releasing",
             ClaimState::NodeDetached => "node-detached",
         };
         *by_state.entry(s).or_default() += 1;
     }
-    t.family("claimd_claims", Kind::Gauge, "Claims held, by state.");
+    t.family(
+        "claimd_claims",
+        Kind::Gauge,
+        "Claims this node holds, by state (in cluster mode counted from its records).",
+    );
     for (s, n) in by_state {
         t.sample("claimd_claims", &[("state", s)], n as f64);
     }

@@ -202,44 +202,61 @@ const BALLAST_KEYS: usize = 4;
 const BALLAST_BYTES: usize = 1_200_000;
 
 /// Keys under `<prefix>/claims/~ballast/` (a volume no test uses; `~`
-/// sorts after every test volume) that make a Range of the whole claims
-/// prefix larger than a client may receive, while a Range of one volume's
-/// claims, or a read of one claim, still works. Removed on drop.
+/// sorts after every test volume) and under the node's claim index
+/// (`<prefix>/node-claims/<node>/~ballast/`) that make a Range of the
+/// whole claims prefix, and one of the node's index, larger than a client
+/// may receive, so that the node's reconciliation fails whether it reads
+/// every claim (the code before the index) or its index; a Range of one
+/// volume's claims, or a read of one claim, still works. Removed on drop.
 pub struct Ballast {
     client: claimd::etcd::EtcdClient,
+    node: String,
     planted: bool,
 }
 
 impl Ballast {
-    /// The ballast prefix, relative to the cluster prefix.
+    /// The ballast prefix under the claims, relative to the cluster prefix.
     pub const REL: &'static str = "claims/~ballast/";
 
-    pub fn plant(etcd: &Etcd) -> Ballast {
+    fn index_rel(node: &str) -> String {
+        format!("node-claims/{node}/~ballast/")
+    }
+
+    pub fn plant(etcd: &Etcd, node: &str) -> Ballast {
         let client = etcd.client();
         let value = vec![b'x'; BALLAST_BYTES];
-        for i in 0..BALLAST_KEYS {
-            client
-                .put(format!("{PREFIX}/{}{i}", Self::REL), &value)
-                .expect("write a ballast key");
+        for rel in [Self::REL.to_string(), Self::index_rel(node)] {
+            for i in 0..BALLAST_KEYS {
+                client
+                    .put(format!("{PREFIX}/{rel}{i}"), &value)
+                    .expect("write a ballast key");
+            }
         }
         // The trick works only while this holds: check it, so that a test
         // built on it cannot pass for another reason.
-        let whole = client.range_prefix(format!("{PREFIX}/claims/"));
-        assert!(
-            whole.is_err(),
-            "a Range of the whole claims prefix still succeeds with the ballast"
-        );
+        for whole in [
+            format!("{PREFIX}/claims/"),
+            format!("{PREFIX}/node-claims/{node}/"),
+        ] {
+            assert!(
+                client.range_prefix(&whole).is_err(),
+                "a Range of {whole} still succeeds with the ballast"
+            );
+        }
         Ballast {
             client,
+            node: node.to_string(),
             planted: true,
         }
     }
 
     pub fn remove(&mut self) {
         if self.planted {
-            self.client
-                .delete_prefix(format!("{PREFIX}/{}", Self::REL))
-                .expect("delete the ballast");
+            for rel in [Self::REL.to_string(), Self::index_rel(&self.node)] {
+                self.client
+                    .delete_prefix(format!("{PREFIX}/{rel}"))
+                    .expect("delete the ballast");
+            }
             self.planted = false;
         }
     }

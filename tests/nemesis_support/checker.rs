@@ -300,6 +300,9 @@ pub struct EndState {
     pub targets: BTreeSet<(String, String, String)>,
     /// (node, volume) of staging mounts.
     pub stagings: BTreeSet<(String, String)>,
+    /// (node, volume, alloc) of the per-node claim index
+    /// (`node-claims/<node>/<volume>/<alloc>`).
+    pub index: BTreeSet<(String, String, String)>,
 }
 
 fn freed_note(end: &EndState, vol: &str, alloc: &str) -> String {
@@ -357,6 +360,36 @@ pub fn check_end_state(end: &EndState) -> Vec<Violation> {
                 3,
                 format!("claim of {vol} by {alloc} on node {node} is in etcd next to a freed/ note ({reason})"),
             ));
+        }
+    }
+    // The claim index names exactly the claims: an entry is written and
+    // deleted in the same Txn as its claim.
+    for ((vol, alloc), (node, _)) in &end.claims {
+        if !end
+            .index
+            .contains(&(node.clone(), vol.clone(), alloc.clone()))
+        {
+            out.push(v(
+                3,
+                format!(
+                    "claim of {vol} by {alloc} on node {node} has no entry in node-claims/{node}/"
+                ),
+            ));
+        }
+    }
+    for (node, vol, alloc) in &end.index {
+        match end.claims.get(&(vol.clone(), alloc.clone())) {
+            Some((n, _)) if n == node => {}
+            other => out.push(v(
+                3,
+                format!(
+                    "node-claims/{node}/{vol}/{alloc} names a claim that is {}",
+                    match other {
+                        Some((n, _)) => format!("held by node {n}"),
+                        None => "gone".to_string(),
+                    }
+                ),
+            )),
         }
     }
     for ((node, alloc, vol), phase) in &end.records {
@@ -501,12 +534,14 @@ mod tests {
             .insert(("a".into(), "x1".into(), "v".into()), "published".into());
         end.targets.insert(("a".into(), "x1".into(), "v".into()));
         end.stagings.insert(k("a", "v"));
+        end.index.insert(("a".into(), "v".into(), "x1".into()));
         assert!(check_end_state(&end).is_empty());
         // b still has its mount of v, whose claim the cluster freed.
         end.targets.insert(("b".into(), "y1".into(), "v".into()));
         end.freed.insert(k("v", "y1"), "node b disconnected".into());
         // A claim of w nobody records.
         end.claims.insert(k("w", "z1"), k("c", "taken"));
+        end.index.insert(("c".into(), "w".into(), "z1".into()));
         let found = check_end_state(&end);
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(
@@ -521,5 +556,37 @@ mod tests {
             "{}",
             found[1]
         );
+    }
+
+    #[test]
+    fn a_claim_without_its_index_entry_and_a_stale_entry_are_found() {
+        let mut end = EndState::default();
+        end.claims
+            .insert(("v".into(), "x1".into()), ("a".into(), "taken".into()));
+        end.records
+            .insert(("a".into(), "x1".into(), "v".into()), "published".into());
+        end.index.insert(("a".into(), "v".into(), "x1".into()));
+        assert!(check_end_state(&end).is_empty());
+        end.index.clear();
+        let found = check_end_state(&end);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].text.contains("no entry in node-claims/a/"),
+            "{}",
+            found[0]
+        );
+        end.index.insert(("a".into(), "v".into(), "x1".into()));
+        end.index.insert(("b".into(), "v".into(), "x1".into()));
+        end.index.insert(("a".into(), "w".into(), "y1".into()));
+        let found = check_end_state(&end);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(
+            found[0]
+                .text
+                .contains("node-claims/a/w/y1 names a claim that is gone"),
+            "{}",
+            found[0]
+        );
+        assert!(found[1].text.contains("held by node a"), "{}", found[1]);
     }
 }

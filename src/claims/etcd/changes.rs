@@ -39,6 +39,12 @@ impl EtcdClaims {
         self.confirmed(&req.volume_id, &req.alloc_id, lease);
     }
 
+    /// The index entry of the claim `req` takes (see `index.rs`), written
+    /// in the same `Txn` as the claim.
+    fn index_put(&self, req: &ClaimRequest) -> TxnOp {
+        TxnOp::put(self.index_key(&req.node, &req.volume_id, &req.alloc_id), "")
+    }
+
     /// Takes the claim: one `Txn` when the volume has no claim yet (it
     /// takes it, or reads what is there), else a read and a `Txn` that
     /// holds only while nothing of the volume's claims changed since.
@@ -53,7 +59,7 @@ impl EtcdClaims {
                 .client
                 .txn(
                     &[Compare::prefix_empty(prefix.clone())],
-                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::put(key.clone(), value), self.index_put(req)],
                     &[TxnOp::get_prefix(prefix.clone())],
                 )
                 .map_err(unavailable)?;
@@ -115,9 +121,15 @@ impl EtcdClaims {
                     let value = serde_json::to_vec(&fresh).expect("a claim always encodes");
                     let same =
                         Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
+                    // (Its index entry too: one taken by a claimd without
+                    // the index has none yet.)
                     let t = self
                         .client
-                        .txn(&[same], &[TxnOp::put(kv.key.clone(), value)], &[])
+                        .txn(
+                            &[same],
+                            &[TxnOp::put(kv.key.clone(), value), self.index_put(req)],
+                            &[],
+                        )
                         .map_err(unavailable)?;
                     if t.succeeded {
                         self.known
@@ -159,7 +171,7 @@ impl EtcdClaims {
                 .client
                 .txn(
                     &[unchanged],
-                    &[TxnOp::put(key.clone(), value)],
+                    &[TxnOp::put(key.clone(), value), self.index_put(req)],
                     &[TxnOp::get_prefix(prefix.clone())],
                 )
                 .map_err(unavailable)?;
@@ -199,13 +211,15 @@ impl EtcdClaims {
             .remove(&key)
             .or_else(|| self.recorded_epoch(volume_id, alloc_id));
         let Some(holder) = holder else {
-            self.client.delete_range(&key, "").map_err(unavailable)?;
-            self.known.lock().remove(&key);
-            return Ok(());
+            return self.free_whoever_holds(&key);
         };
-        let known = self.known.lock().get(&key).map(|(rev, _)| *rev);
-        if let Some(revision) = known {
-            if self.delete_if_unchanged(&key, revision)? {
+        let known = self
+            .known
+            .lock()
+            .get(&key)
+            .map(|(rev, s)| (*rev, s.claim.node.clone()));
+        if let Some((revision, node)) = known {
+            if self.delete_if_unchanged(&key, revision, &node)? {
                 return Ok(());
             }
         } else if let Some(epoch) = epoch {
@@ -217,7 +231,10 @@ impl EtcdClaims {
                 .client
                 .txn(
                     &[ours],
-                    &[TxnOp::delete(key.as_bytes())],
+                    &[
+                        TxnOp::delete(key.as_bytes()),
+                        TxnOp::delete(self.index_key_of(&key, holder)),
+                    ],
                     &[TxnOp::get(key.as_bytes())],
                 )
                 .map_err(unavailable)?;
@@ -250,7 +267,36 @@ impl EtcdClaims {
                 self.known.lock().remove(&key);
                 return Ok(());
             }
-            if self.delete_if_unchanged(&key, kv.mod_revision)? {
+            if self.delete_if_unchanged(&key, kv.mod_revision, holder)? {
+                return Ok(());
+            }
+        }
+        Err(ClaimError::Unavailable {
+            store: "etcd".to_string(),
+            reason: format!("claim {key} kept changing"),
+        })
+    }
+
+    /// Deletes the claim at `key` whoever holds it (an operator's free),
+    /// with its holder's index entry; a value that is not a claim goes
+    /// alone (its entry, if any, is dropped as stale where it is found).
+    fn free_whoever_holds(&self, key: &str) -> Result<(), ClaimError> {
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let Some(kv) = self.client.get(key).map_err(unavailable)? else {
+                self.known.lock().remove(key);
+                return Ok(());
+            };
+            let mut deletes = vec![TxnOp::delete(key.as_bytes())];
+            if let Ok(stored) = parse(&kv) {
+                deletes.push(TxnOp::delete(self.index_key_of(key, &stored.claim.node)));
+            }
+            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
+            let t = self
+                .client
+                .txn(&[same], &deletes, &[])
+                .map_err(unavailable)?;
+            if t.succeeded {
+                self.known.lock().remove(key);
                 return Ok(());
             }
         }
@@ -272,11 +318,25 @@ impl EtcdClaims {
         })
     }
 
-    pub(super) fn delete_if_unchanged(&self, key: &str, revision: i64) -> Result<bool, ClaimError> {
+    /// Deletes the claim at `key`, held by `node`, with its index entry,
+    /// if it is still at `revision`.
+    pub(super) fn delete_if_unchanged(
+        &self,
+        key: &str,
+        revision: i64,
+        node: &str,
+    ) -> Result<bool, ClaimError> {
         let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
         let t = self
             .client
-            .txn(&[same], &[TxnOp::delete(key.as_bytes())], &[])
+            .txn(
+                &[same],
+                &[
+                    TxnOp::delete(key.as_bytes()),
+                    TxnOp::delete(self.index_key_of(key, node)),
+                ],
+                &[],
+            )
             .map_err(unavailable)?;
         self.known.lock().remove(key);
         Ok(t.succeeded)

@@ -7,10 +7,12 @@ use crate::claims::remote::RemoveNodeError;
 use crate::etcd::{CompareOp, TxnOpResponse};
 
 impl EtcdClaims {
-    /// Deletes `node-settings/<node>` and `reaper-locks/<node>` in one
-    /// `Txn` that holds only while the node's liveness key is absent and no
-    /// claim changed since the read that found none of the node's claims;
-    /// the keys deleted (relative to the prefix).
+    /// Deletes `node-settings/<node>`, `reaper-locks/<node>`, the node's
+    /// claim index marker and any stale entries of its index in one `Txn`
+    /// that holds only while the node's liveness key is absent and none of
+    /// its claims changed since the read that found none (the node's index
+    /// compared, or every claim for a node without one); the keys deleted
+    /// (relative to the prefix).
     pub fn remove_node(&self, node: &str) -> Result<Vec<String>, RemoveNodeError> {
         let store = |e| RemoveNodeError::Store(unavailable(e));
         let liveness = node_key(&self.prefix, node);
@@ -20,16 +22,8 @@ impl EtcdClaims {
         if self.client.get(&liveness).map_err(store)?.is_some() {
             return Err(alive());
         }
-        let claims = self.client.range_prefix(self.all_prefix()).map_err(store)?;
-        let mut volumes: Vec<String> = claims
-            .kvs
-            .iter()
-            .filter_map(|kv| parse(kv).ok())
-            .filter(|c| c.claim.node == node)
-            .map(|c| c.claim.volume_id)
-            .collect();
-        volumes.sort();
-        volumes.dedup();
+        let held = self.claims_of_node(node).map_err(RemoveNodeError::Store)?;
+        let volumes = held.volumes();
         if !volumes.is_empty() {
             return Err(RemoveNodeError::HoldsClaims {
                 node: node.to_string(),
@@ -39,17 +33,23 @@ impl EtcdClaims {
         let rel = [
             format!("node-settings/{node}"),
             format!("reaper-locks/{node}"),
+            format!("claim-index/{node}"),
         ];
-        let unchanged = Compare::mod_revision(
-            self.all_prefix().into_bytes(),
-            CompareOp::Less,
-            claims.revision + 1,
-        )
-        .with_prefix();
-        let deletes: Vec<TxnOp> = rel
+        // A claim taken since the read has an index entry newer than it
+        // (or, without the index, is a claim newer than it).
+        let watched = if held.indexed {
+            self.index_prefix(node)
+        } else {
+            self.all_prefix()
+        };
+        let unchanged =
+            Compare::mod_revision(watched.into_bytes(), CompareOp::Less, held.revision + 1)
+                .with_prefix();
+        let mut deletes: Vec<TxnOp> = rel
             .iter()
             .map(|k| TxnOp::delete(format!("{}/{k}", self.prefix)))
             .collect();
+        deletes.push(TxnOp::delete_prefix(self.index_prefix(node)));
         let t = self
             .client
             .txn(
