@@ -221,9 +221,19 @@ impl Agent {
                         config.timeouts.csi_call,
                     )],
                     fencing.clone(),
-                    Box::new(move || {
-                        let _ = registered_tx.send(());
-                    }),
+                    {
+                        let (claims, node) = (etcd_claims.clone(), config.node_name.clone());
+                        crate::cluster::RegistrationHooks {
+                            before_register: Box::new(move || {
+                                claims
+                                    .forget_index_if_an_older_claimd_ran(&node)
+                                    .map_err(|e| crate::error_chain(&e))
+                            }),
+                            on_registered: Box::new(move || {
+                                let _ = registered_tx.send(());
+                            }),
+                        }
+                    },
                 )
                 .map_err(io_err("failed to start the cluster liveness thread"))?;
                 (
@@ -446,12 +456,7 @@ impl Agent {
 /// record the idle RSS after a restart went from 74.3 to 61.0 MiB with it
 /// (claimd-bench, restart part).
 fn release_start_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim(3) only returns free heap pages to the kernel; it
-    // takes no pointer and is safe to call from any thread at any time.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    crate::heap::give_back();
 }
 
 /// Sends WATCHDOG=1 every `every` while the state can be read (a state

@@ -19,6 +19,7 @@ pub mod csi;
 pub mod docker;
 pub mod etcd;
 pub mod failpoints;
+pub mod heap;
 pub mod ids;
 pub mod lifecycle;
 pub mod metrics;

@@ -7,7 +7,9 @@
 //!    by hand, an orphan freed by the start-up reconciliation.
 //! 2. A node whose claims predate the index (no `claim-index/<node>`
 //!    marker) reads every claim once, frees its orphans, indexes the rest
-//!    (another instance's too) and writes the marker.
+//!    (another instance's too) and writes the marker; a node an older
+//!    claimd ran as since (its settings lack `claim_index`) is looked up by
+//!    reading every claim, and forgets its marker when it comes back.
 //! 3. With a few megabytes of other nodes' claims in etcd, a restart's
 //!    reconciliation and the reaper's look at a gone node cost etcd far
 //!    less than one read of every claim (etcd's own sent-bytes counter).
@@ -230,6 +232,85 @@ fn a_node_without_its_index_reads_every_claim_once_then_indexes_its_own() {
     // And the index follows the release of an indexed older claim.
     c.node("a").release_ok("k1");
     assert_eq!(index(&c), ["node-claims/a/x/o1"]);
+}
+
+/// An older claimd ran as node b after b's claims were indexed (b was
+/// downgraded): its registration rewrote b's settings without
+/// `claim_index` and it took a claim without an index entry. b is gone:
+/// a's reaper and `node remove` must see that claim (they read every
+/// claim, not b's index); when b comes back with the index it forgets its
+/// marker before it registers and reads every claim once more.
+#[test]
+fn a_node_an_older_claimd_ran_as_is_looked_up_by_reading_every_claim() {
+    let mut c = Cluster::start(vec![
+        nfs_node("a").stop_after_disconnect(STOP_AFTER),
+        nfs_node("b").stop_after_disconnect(STOP_AFTER),
+    ]);
+    c.add_volume(&volume("v"));
+    c.add_volume(&volume("w"));
+    c.node("b").mount_ok("q1", "data=v");
+    wait_until(SHOW_TIMEOUT, "b's claim index marker", || {
+        c.get_json("claim-index/b").is_some()
+    });
+    let template = stored_claim(&c, "v", "q1");
+    c.node_mut("b").agent.kill();
+    c.wait_gone("b");
+    // What the older claimd left: settings without the flag, a claim of
+    // w without an entry.
+    let mut settings = c.get_json("node-settings/b").expect("b's settings");
+    assert_eq!(settings["claim_index"], true, "{settings}");
+    settings
+        .as_object_mut()
+        .expect("settings are an object")
+        .remove("claim_index");
+    put_claims(
+        &c,
+        &[
+            ("node-settings/b".to_string(), settings),
+            (
+                "claims/w/old1".to_string(),
+                claim_like(&template, "w", "old1", "b"),
+            ),
+        ],
+    );
+    let a = c.node("a");
+    wait_until(
+        RETRY_TIMEOUT,
+        "a's reaper to keep both of b's claims",
+        || {
+            let log = a.agent.log();
+            log.contains("volume v stays claimed by unreachable node b")
+                && log.contains("volume w stays claimed by unreachable node b")
+        },
+    );
+    let e = a
+        .agent
+        .cli(&["node", "remove", "b"])
+        .expect_code(EXIT_FAILED)
+        .stderr;
+    assert!(e.contains("node b still holds claims of v, w"), "{e}");
+    // b is back with the index: the stale marker goes before it
+    // registers, its reconciliation reads every claim, frees old1 (no
+    // record, nothing mounted: only a read of every claim finds it) and
+    // writes the marker again.
+    restart_and_reconcile(&mut c, "b");
+    let log = c.node("b").agent.log();
+    assert!(
+        log.contains("an older claimd without the claim index ran as node b"),
+        "{log}"
+    );
+    assert!(c.holders("w").is_empty());
+    assert!(log.contains("freed the claim of volume w by allocation old1 on this node"));
+    assert!(c.get_json("claim-index/b").is_some());
+    assert_eq!(
+        c.get_json("node-settings/b").expect("settings")["claim_index"],
+        true
+    );
+    // b was away longer than its window: it releases q1 by itself, and
+    // the entry goes with the claim.
+    wait_until(RETRY_TIMEOUT, "b to release q1", || c.node("b").no_allocs());
+    assert!(c.holders("v").is_empty());
+    assert!(index(&c).is_empty(), "{:?}", index(&c));
 }
 
 // ---- 3. What it costs etcd ------------------------------------------------------

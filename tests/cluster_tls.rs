@@ -346,10 +346,21 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
             .flatten()
             .is_some_and(|kv| kv.lease.is_some())
     });
+    // The claim index marker comes with the first reconciliation, after
+    // the registration.
+    wait_until(SHOW_TIMEOUT, "node a's claim index marker", || {
+        etcd.client()
+            .get(format!("{PREFIX}/claim-index/a"))
+            .ok()
+            .flatten()
+            .is_some()
+    });
     assert_eq!(
         keys(&etcd),
         [
+            format!("{PREFIX}/claim-index/a"),
             claim_key.clone(),
+            format!("{PREFIX}/node-claims/a/v/a1"),
             format!("{PREFIX}/node-settings/a"),
             format!("{PREFIX}/nodes/a"),
             format!("{PREFIX}/volumes/v"),
@@ -362,6 +373,7 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
     assert_eq!(
         keys(&etcd),
         [
+            format!("{PREFIX}/claim-index/a"),
             format!("{PREFIX}/node-settings/a"),
             format!("{PREFIX}/nodes/a"),
             format!("{PREFIX}/volumes/v")

@@ -51,7 +51,7 @@ impl EtcdClaims {
         // reconciliation with the index, by reading every claim (its older
         // claims are indexed at the end).
         let index = self.read_index(node)?;
-        let kvs: Vec<KeyValue> = if index.marker {
+        let kvs: Vec<KeyValue> = if index.trusted {
             let mut wanted: HashSet<(String, String)> =
                 index.entries.iter().map(|(p, _)| p.clone()).collect();
             wanted.extend(past_claim.iter().cloned());
@@ -201,7 +201,7 @@ impl EtcdClaims {
                 out.freed.push(key);
             }
         }
-        if !index.marker {
+        if !index.trusted {
             let mine: Vec<(KeyValue, StoredClaim)> = kvs
                 .iter()
                 .filter_map(|kv| {
@@ -212,10 +212,17 @@ impl EtcdClaims {
                 .collect();
             let have: HashSet<(String, String)> =
                 index.entries.iter().map(|(p, _)| p.clone()).collect();
-            let added = self.index_older_claims(node, &mine, &have)?;
-            log::info!(
-                "cluster: this node's claims are indexed now ({added} older claim(s) added to node-claims/{node}/): later reconciliations read only those"
-            );
+            // Best effort: what was found above is acted on either way; a
+            // failure leaves the marker unwritten, so the next
+            // reconciliation (and every reaper) reads every claim again.
+            match self.index_older_claims(node, &mine, &have) {
+                Ok(added) => log::info!(
+                    "cluster: this node's claims are indexed now ({added} older claim(s) added to node-claims/{node}/): later reconciliations read only those"
+                ),
+                Err(e) => log::warn!(
+                    "cluster: this node's older claims could not all be indexed now ({e}): the next reconciliation reads every claim again"
+                ),
+            }
         }
         Ok(out)
     }

@@ -69,6 +69,7 @@ pub fn settings_entry(
         check_period_ms: Some(
             fencing::tau(fencing::self_release_period(lease_ttl)).as_millis() as u64,
         ),
+        claim_index: true,
     };
     (
         format!("{}/node-settings/{node}", prefix.trim_end_matches('/')),

@@ -62,8 +62,10 @@ pub struct NodeLiveness {
 
 impl NodeLiveness {
     /// Starts keeping `<prefix>/nodes/<node>` alive.
-    /// `on_registered` runs on the liveness thread after each successful
-    /// registration (the start-up reconciliation).
+    /// `hooks.before_register` runs on the liveness thread before each
+    /// registration (an error is retried like a failed registration),
+    /// `hooks.on_registered` after each successful one (the start-up
+    /// reconciliation).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         client: EtcdClient,
@@ -73,7 +75,7 @@ impl NodeLiveness {
         shutdown: Shutdown,
         durable: Vec<(String, Vec<u8>)>,
         fencing: Arc<Fencing>,
-        on_registered: Box<dyn Fn() + Send>,
+        hooks: RegistrationHooks,
     ) -> std::io::Result<NodeLiveness> {
         let status = Arc::new(Mutex::new(Liveness::default()));
         let mut threads = Threads::new();
@@ -91,7 +93,7 @@ impl NodeLiveness {
                 instance: &instance,
                 durable: &durable,
             };
-            run(&client, &reg, ttl, &shutdown, &st, &f, &*on_registered)
+            run(&client, &reg, ttl, &shutdown, &st, &f, &hooks)
         })?;
         Ok(NodeLiveness {
             status,
@@ -153,6 +155,16 @@ impl NodeLiveness {
     }
 }
 
+/// What runs around each registration of the node's liveness.
+pub struct RegistrationHooks {
+    /// Before each registration: what must hold before the node's durable
+    /// keys are written again (the claim index's check for an older
+    /// claimd, `EtcdClaims::forget_index_if_an_older_claimd_ran`).
+    pub before_register: Box<dyn Fn() -> Result<(), String> + Send>,
+    /// After each successful registration.
+    pub on_registered: Box<dyn Fn() + Send>,
+}
+
 /// What a registration writes: the liveness key (on the lease) and, in the
 /// same transaction, this node's durable keys (its settings).
 struct Registration<'a> {
@@ -165,6 +177,8 @@ struct Registration<'a> {
 /// Why a registration did not go through.
 enum RegisterError {
     Etcd(crate::etcd::EtcdError),
+    /// What must hold before the registration could not be made so.
+    Before(String),
     /// The name is registered by another instance whose lease is alive.
     OtherInstance(String),
     /// The key changed between the two transactions: try again.
@@ -175,6 +189,7 @@ impl std::fmt::Display for RegisterError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RegisterError::Etcd(e) => f.write_str(&crate::error_chain(e)),
+            RegisterError::Before(why) => f.write_str(why),
             RegisterError::OtherInstance(why) => f.write_str(why),
             RegisterError::Changed => f.write_str("the liveness key changed meanwhile"),
         }
@@ -239,7 +254,7 @@ fn run(
     shutdown: &Shutdown,
     status: &Mutex<Liveness>,
     fencing: &Fencing,
-    on_registered: &dyn Fn(),
+    hooks: &RegistrationHooks,
 ) {
     let key = reg.key;
     let record = NodeRecord {
@@ -256,9 +271,9 @@ fn run(
     let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     let mut backoff = Backoff::new(LIVENESS_BACKOFF, far);
     while !shutdown.is_triggered() {
-        let held = client
-            .lease_grant(ttl)
-            .map_err(RegisterError::Etcd)
+        let held = (hooks.before_register)()
+            .map_err(RegisterError::Before)
+            .and_then(|()| client.lease_grant(ttl).map_err(RegisterError::Etcd))
             .and_then(|lease| {
                 if let Err(e) = register(client, reg, &value, lease) {
                     // Not left to expire: the lease is this agent's alone.
@@ -296,7 +311,7 @@ fn run(
             clock: Some(keep_alive.renewal_clock()),
         };
         fencing.lease_registered(lease, keep_alive.renewal_clock());
-        on_registered();
+        (hooks.on_registered)();
         // Renewal happens on the keep-alive's own thread; this one reports
         // and notices a lease etcd says is gone.
         while !keep_alive.is_lost() {

@@ -14,6 +14,6 @@ pub use controller_host::ControllerHost;
 pub use disconnect::{
     settings_entry, DisconnectRule, RuleParts, SelfReleaseParts, DISCONNECT_RELEASE_REASON,
 };
-pub use liveness::{Liveness, NodeLiveness, NodeRecord};
+pub use liveness::{Liveness, NodeLiveness, NodeRecord, RegistrationHooks};
 pub use unreachable::{UnreachableHold, UnreachableHolds};
 pub use view::{NodeSettings, NodeView, NodesSnapshot};

@@ -41,6 +41,13 @@ pub struct NodeSettings {
     /// τ: the node's self-release check period plus scheduling delay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check_period_ms: Option<u64>,
+    /// The node's agent keeps the per-node claim index
+    /// (`claims::etcd::index`): every registration of such an agent
+    /// writes true. An older claimd's registration writes settings without
+    /// it, so nothing trusts that node's index while an older claimd may
+    /// have taken claims it did not index.
+    #[serde(default)]
+    pub claim_index: bool,
 }
 
 /// U and τ assumed for a node that does not publish them.

@@ -123,9 +123,7 @@ impl Running {
         kind: StoreKind,
         remote: &RemoteClaims,
     ) -> Running {
-        let store = Arc::new(
-            StateStore::open_with_boot_id(state_dir, boot_id).expect("open the state store"),
-        );
+        let store = Arc::new(open_store(state_dir, boot_id));
         let shutdown = Shutdown::new();
         let registry = Registry::start(
             grpc_env(),
@@ -213,6 +211,24 @@ impl Running {
             }
         }
         drop(store);
+    }
+}
+
+/// Opens the state store of a stopped manager. Its lock (a `flock` on a
+/// close-on-exec descriptor) can outlive the stop by a moment: a process
+/// that another test of this binary forks at that time holds a copy of
+/// every descriptor until its `exec`. So `Locked` is waited out while the
+/// lock is held (bounded); any other error fails at once.
+fn open_store(state_dir: &Path, boot_id: &str) -> StateStore {
+    let start = Instant::now();
+    loop {
+        match StateStore::open_with_boot_id(state_dir, boot_id) {
+            Ok(store) => return store,
+            Err(StateError::Locked { .. }) if start.elapsed() < STOP_TIMEOUT => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("open the state store: {e:?}"),
+        }
     }
 }
 
@@ -335,8 +351,7 @@ impl Harness {
     /// they were in the state: they are moved in before and back after.
     pub fn edit_state(&self, f: impl FnOnce(&mut StateFile)) {
         assert!(self.running.is_none(), "stop the manager first");
-        let store =
-            StateStore::open_with_boot_id(&self.state_dir, &self.boot_id).expect("open state");
+        let store = open_store(&self.state_dir, &self.boot_id);
         store
             .update::<_, StateError>(|s| {
                 self.claims_into(s);

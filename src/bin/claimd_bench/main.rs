@@ -537,6 +537,29 @@ fn main() {
             ),
             mib_pair(rss_restart, peak_restart),
         ));
+        // Once the answer's thread has ended (it gives back the heap a
+        // large answer freed): the resident memory the agent keeps.
+        let settled = wait_api_threads_done(agent.pid(), Duration::from_secs(10));
+        let (rss_settled, _) = rss_and_peak(agent.pid());
+        results.insert(
+            "rss_kib_n_allocs_after_restart_settled".into(),
+            json!({"rss_kib": rss_settled, "api_threads_done": settled}),
+        );
+        table.push((
+            format!(
+                "RSS after restart with {} allocations, once no API request runs",
+                args.restart_n
+            ),
+            format!(
+                "{:.1} MiB{}",
+                rss_settled as f64 / 1024.0,
+                if settled {
+                    ""
+                } else {
+                    " (an API thread still ran)"
+                }
+            ),
+        ));
         run_parallel(args.restart_n, args.concurrency, |i| {
             release(&c, &format!("r-a{i}"), Duration::from_secs(60));
         });

@@ -281,6 +281,30 @@ pub fn rss_and_peak(pid: u32) -> (u64, u64) {
     (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"))
 }
 
+/// Waits (up to `limit`) until no thread of `pid` serves an API request
+/// (named `api-…`): an answer's thread gives the heap it freed back before
+/// it ends. False when one still ran at the limit.
+pub fn wait_api_threads_done(pid: u32, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let busy = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| {
+                tasks.flatten().any(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("api-"))
+                })
+            })
+            .unwrap_or(false);
+        if !busy {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 pub fn mib_pair(a_kib: u64, b_kib: u64) -> String {
     format!(
         "{:.1} / {:.1} MiB",

@@ -12,7 +12,7 @@ Serves CSI v1 on a unix socket. The storage system (--storage, default --root) h
 the volumes, directories <storage>/volumes/<volume_id> (block volumes: regular files
 <storage>/volumes/<volume_id>.img), and <storage>/controller.json (controller
 attachments, created volumes, snapshots); node operations are real bind mounts, and
-this node's staging paths are kept in <root>/node.json, so all survive a restart.
+this node's staging paths are kept in <root>/staged/, so all survive a restart.
 Plugins of several nodes share one --storage, each with its own --root.
 
 STRICT LIKE A REAL PLUGIN (the CSI spec's error codes):

@@ -90,7 +90,7 @@ pub struct Plugin {
     /// path only" is decided and done in one step. Taken before any path
     /// lock, never while holding one.
     pub volume_locks: VolumeLocks,
-    /// `node.json`: where each volume is staged.
+    /// `staged/`: where each volume is staged.
     pub stagings: Stagings,
     /// `controller.json`: serialised decisions, group-committed writes.
     pub controller_state: ControllerStore,
@@ -116,7 +116,7 @@ impl Plugin {
             fencing: config
                 .fence_on_unpublish
                 .then(|| Fencing::new(&config.storage)),
-            stagings: Stagings::new(config.root.join("node.json")),
+            stagings: Stagings::new(config.root.join("staged")),
             epochs: config
                 .epoch_key
                 .clone()

@@ -9,8 +9,17 @@
 //! - `<prefix>/claim-index/<node>` (the marker) says that the node's claims
 //!   taken before the index existed (by an earlier claimd) are indexed too:
 //!   the node's first reconciliation with the index reads every claim once,
-//!   indexes the node's own, then writes it. A node without a marker is
-//!   looked up by reading every claim, as before.
+//!   indexes the node's own, then writes it.
+//! - The node's settings (`node-settings/<node>`, rewritten by every
+//!   registration) say `claim_index: true` when the agent that registered
+//!   keeps the index. An older claimd rewrites them without it: a node
+//!   downgraded to one may take claims it does not index.
+//!
+//! A node's index is trusted only while both hold; otherwise it is looked
+//! up by reading every claim, as before the index. Before each
+//! registration the node's own agent deletes a marker whose settings lack
+//! the flag (an older claimd ran here since the marker was written), so
+//! that its next reconciliation reads every claim and indexes them again.
 //!
 //! Entries whose claim was deleted by a claimd without the index (a mixed
 //! cluster during an upgrade) are stale: whoever finds one deletes it
@@ -20,6 +29,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::*;
+use serde::Deserialize;
+
 use crate::etcd::{CompareOp, RangeResponse, TxnOpResponse};
 
 /// At most this many reads in one `Txn` (etcd refuses more than its
@@ -53,12 +64,29 @@ impl NodeClaims {
     }
 }
 
-/// What the index says of a node: whether its marker is there, and its
-/// entries (volume, alloc) with their key-values.
+/// What the index says of a node: whether its marker is there and its
+/// settings say its agent keeps the index, and its entries (volume, alloc)
+/// with their key-values.
 pub(crate) struct IndexRead {
-    pub marker: bool,
+    /// The marker is there and the node's settings carry `claim_index`.
+    pub trusted: bool,
+    /// The revision of the read of the entries.
     pub revision: i64,
     pub entries: Vec<((String, String), KeyValue)>,
+}
+
+/// The one field of `node-settings/<node>` (`cluster::NodeSettings`) that
+/// the index needs; the rest is ignored.
+#[derive(Deserialize)]
+struct SettingsFlag {
+    #[serde(default)]
+    claim_index: bool,
+}
+
+/// Whether a `node-settings/<node>` value carries `claim_index: true`.
+fn keeps_index(kv: Option<&KeyValue>) -> bool {
+    kv.and_then(|kv| serde_json::from_slice::<SettingsFlag>(&kv.value).ok())
+        .is_some_and(|s| s.claim_index)
 }
 
 impl EtcdClaims {
@@ -85,30 +113,17 @@ impl EtcdClaims {
         format!("{}/claim-index/{node}", self.prefix)
     }
 
-    /// The marker and the entries of `node`, in one `Txn` (one revision).
+    /// `<prefix>/node-settings/<node>`.
+    fn settings_key(&self, node: &str) -> String {
+        format!("{}/node-settings/{node}", self.prefix)
+    }
+
+    /// The marker and settings of `node` (one `Txn`), then its entries
+    /// (in pages, at one revision).
     pub(crate) fn read_index(&self, node: &str) -> Result<IndexRead, ClaimError> {
+        let (marker, settings) = self.marker_and_settings(node)?;
         let prefix = self.index_prefix(node);
-        let t = self
-            .client
-            .txn(
-                &[],
-                &[
-                    TxnOp::get(self.index_marker(node)),
-                    TxnOp::get_prefix(prefix.clone()),
-                ],
-                &[],
-            )
-            .map_err(unavailable)?;
-        let mut ranges = t.responses.into_iter().filter_map(|r| match r {
-            TxnOpResponse::Range(r) => Some(r),
-            _ => None,
-        });
-        let (Some(marker), Some(index)) = (ranges.next(), ranges.next()) else {
-            return Err(ClaimError::Unavailable {
-                store: "etcd".to_string(),
-                reason: "a read of the claim index answered without its two ranges".to_string(),
-            });
-        };
+        let index = self.client.range_prefix(&prefix).map_err(unavailable)?;
         let entries = index
             .kvs
             .into_iter()
@@ -119,10 +134,79 @@ impl EtcdClaims {
             })
             .collect();
         Ok(IndexRead {
-            marker: !marker.kvs.is_empty(),
-            revision: t.revision,
+            trusted: marker.is_some() && keeps_index(settings.as_ref()),
+            revision: index.revision,
             entries,
         })
+    }
+
+    /// The marker and the settings of `node`, read in one `Txn`.
+    fn marker_and_settings(
+        &self,
+        node: &str,
+    ) -> Result<(Option<KeyValue>, Option<KeyValue>), ClaimError> {
+        let t = self
+            .client
+            .txn(
+                &[],
+                &[
+                    TxnOp::get(self.index_marker(node)),
+                    TxnOp::get(self.settings_key(node)),
+                ],
+                &[],
+            )
+            .map_err(unavailable)?;
+        let mut ranges = t.responses.into_iter().filter_map(|r| match r {
+            TxnOpResponse::Range(r) => Some(r.kvs.into_iter().next()),
+            _ => None,
+        });
+        match (ranges.next(), ranges.next()) {
+            (Some(marker), Some(settings)) => Ok((marker, settings)),
+            _ => Err(ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: "a read of a node's claim index marker and settings answered without its two ranges".to_string(),
+            }),
+        }
+    }
+
+    /// Run before each registration of `node` by its own agent: a marker
+    /// whose settings lack `claim_index` (an older claimd registered here
+    /// since the marker was written, and may have taken claims it did not
+    /// index) is deleted, so that nothing trusts the index until the next
+    /// reconciliation has read every claim and indexed them again.
+    pub fn forget_index_if_an_older_claimd_ran(&self, node: &str) -> Result<(), ClaimError> {
+        let (marker, settings) = self.marker_and_settings(node)?;
+        let Some(marker) = marker else {
+            return Ok(());
+        };
+        if keeps_index(settings.as_ref()) {
+            return Ok(());
+        }
+        let settings_as_read = match &settings {
+            Some(kv) => Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
+            None => Compare::absent(self.settings_key(node)),
+        };
+        let same = Compare::mod_revision(marker.key.clone(), CompareOp::Equal, marker.mod_revision);
+        let t = self
+            .client
+            .txn(
+                &[same, settings_as_read],
+                &[TxnOp::delete(marker.key.clone())],
+                &[],
+            )
+            .map_err(unavailable)?;
+        if !t.succeeded {
+            return Err(ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: format!(
+                    "the claim index marker or the settings of node {node} changed while they were checked"
+                ),
+            });
+        }
+        log::warn!(
+            "cluster: an older claimd without the claim index ran as node {node} since its claims were indexed: the index is read again in full by the next reconciliation"
+        );
+        Ok(())
     }
 
     /// The claims at the keys of `pairs` (volume, alloc), read in `Txn`s of
@@ -243,13 +327,14 @@ impl EtcdClaims {
         Ok(added)
     }
 
-    /// `node`'s claims: through its index when its marker is there (the
-    /// entries' claims read by key; stale entries dropped on the way),
-    /// else by reading every claim. A value under `claims/` that is not a
+    /// `node`'s claims: through its index when it is trusted (its marker
+    /// is there and its settings say its agent keeps it; the entries'
+    /// claims read by key, stale entries dropped on the way), else by
+    /// reading every claim. A value under `claims/` that is not a
     /// claim is left out (and reported where claims are listed).
     pub fn claims_of_node(&self, node: &str) -> Result<NodeClaims, ClaimError> {
         let index = self.read_index(node)?;
-        if !index.marker {
+        if !index.trusted {
             let r = self
                 .client
                 .range_prefix(self.all_prefix())
