@@ -123,6 +123,8 @@ impl Service {
         // The sink moves into the thread; if the spawn fails it is lost and
         // the client sees the call cancelled.
         let spawned = threads.spawn(format!("api-{name}"), move || {
+            // Dropped last, once the answer is sent (see `heap::Busy`).
+            let _busy = crate::heap::busy();
             let result = f(&me);
             let mut large = false;
             let reply = match result {

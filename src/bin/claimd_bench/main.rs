@@ -412,6 +412,9 @@ fn main() {
         run_parallel(args.restart_n, args.concurrency, |i| {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
         });
+        // Once the last request's thread has ended (the agent gives back
+        // the heap it freed when it goes idle).
+        wait_api_threads_done(agent.pid(), Duration::from_secs(10));
         let (rss_n, peak) = rss_and_peak(agent.pid());
         growth::growth(args.restart_n, &c, metrics_addr, &mut results, &mut table);
         // Write cost of one more mount and release with N on record.
