@@ -780,3 +780,58 @@ fn node_remove_forgets_a_gone_node_only_once_nothing_of_it_is_left() {
     let e = refused(&c, &["node", "remove", "b"]);
     assert!(e.contains("knows nothing of node b"), "{e}");
 }
+
+// ---- claim free by hand ---------------------------------------------------------
+
+/// `claim free` of another node's claim checks that the node is gone, then
+/// deletes the claim: two round trips. A node that came back in between
+/// (registered, its claim confirmed under its new lease, its volume
+/// mounted) must keep its claim, or another node could take the volume
+/// while it is mounted. So the delete compares the holder's liveness key
+/// absent in its own `Txn`. Here the free's write is made while b is
+/// alive (as if b came back right after the check): refused, naming b;
+/// once b is gone the same free goes through.
+#[test]
+fn a_claim_freed_by_hand_stays_with_a_node_that_is_back_at_the_write() {
+    use claimd::claims::{Applied, ClaimChange, ClaimError, ClaimStore, Transaction};
+    let mut c = Cluster::start(vec![nfs_node("a"), nfs_node("b")]);
+    c.add_volume(&volume());
+    c.node("b").mount_ok("q1", "data=v");
+    let dir = TestDir::new();
+    let state = std::sync::Arc::new(
+        claimd::state::StateStore::open(dir.path()).expect("a state directory"),
+    );
+    let operator = claimd::claims::EtcdClaims::new(c.etcd.client(), PREFIX, state).with_node("a");
+    let free = |store: &claimd::claims::EtcdClaims| {
+        let mut record = |_: &mut claimd::state::StateFile, _: &[Result<(), ClaimError>]| {};
+        let applied = store
+            .transact(Transaction {
+                changes: vec![ClaimChange::Free {
+                    volume_id: "v".to_string(),
+                    alloc_id: "q1".to_string(),
+                    holder: None,
+                    while_gone: true,
+                }],
+                wanted: &|_| true,
+                record: &mut record,
+                closing: false,
+            })
+            .expect("the local write");
+        let Applied::Done(mut outcomes) = applied else {
+            panic!("the free was not wanted")
+        };
+        outcomes.pop().expect("one outcome")
+    };
+    let refused = free(&operator).expect_err("b is alive");
+    assert!(
+        refused.to_string().contains("node b, is alive again"),
+        "{refused}"
+    );
+    assert_eq!(c.holders("v"), ["q1"]);
+    assert_eq!(c.keys("node-claims/b/"), ["node-claims/b/v/q1"]);
+    c.node_mut("b").agent.kill();
+    c.wait_gone("b");
+    free(&operator).expect("b is gone");
+    assert!(c.holders("v").is_empty());
+    assert!(c.keys("node-claims/").is_empty());
+}

@@ -215,6 +215,7 @@ mod tests {
             volume_id: "v".into(),
             alloc_id: "a".into(),
             holder: None,
+            while_gone: false,
         };
         change(&claims, free.clone()).expect("free");
         change(&claims, free).expect("free again");
@@ -228,6 +229,7 @@ mod tests {
                     volume_id: "v".into(),
                     alloc_id: "b".into(),
                     holder: None,
+                    while_gone: false,
                 }],
                 wanted: &|_| false,
                 record: &mut |s, _| s.boot_id = "changed".into(),

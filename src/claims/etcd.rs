@@ -341,7 +341,8 @@ impl EtcdClaims {
                 volume_id,
                 alloc_id,
                 holder,
-            } => self.free(volume_id, alloc_id, holder.as_deref()),
+                while_gone,
+            } => self.free(volume_id, alloc_id, holder.as_deref(), *while_gone),
         }
     }
 
@@ -513,6 +514,7 @@ impl ClaimStore for EtcdClaims {
                     volume_id: req.volume_id.clone(),
                     alloc_id: req.alloc_id.clone(),
                     holder: Some(req.node.clone()),
+                    while_gone: false,
                 };
                 if let Err(e) = self.apply(&free) {
                     log::warn!("cluster: a claim taken for a change no longer wanted stays: {e}");

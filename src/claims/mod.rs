@@ -79,10 +79,14 @@ pub enum ClaimChange {
     /// `holder`: free it only while that node holds it (a node's own
     /// release: the same allocation ID may be held on another node by
     /// now); None: whoever holds it (freed by hand).
+    /// `while_gone`: only while the holder's node is not alive (in a cluster
+    /// store: its liveness key absent, compared in the same write), so that
+    /// a node that came back since an operator looked keeps its claim.
     Free {
         volume_id: String,
         alloc_id: String,
         holder: Option<String>,
+        while_gone: bool,
     },
 }
 

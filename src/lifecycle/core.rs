@@ -239,6 +239,7 @@ impl Core {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
             holder: Some(self.opts.node_name.clone()),
+            while_gone: false,
         };
         let applied = self.transact_closing(vec![free], &mut |s, out| {
             if out.iter().all(Result::is_ok) {

@@ -190,16 +190,27 @@ impl Lifecycle {
                 });
             }
         }
+        // Another node's claim, not forced: only while that node is still
+        // gone when the claim goes (it may come back after the check above).
+        let while_gone = !here && !force;
         let free = crate::claims::ClaimChange::Free {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
             holder: None,
+            while_gone,
         };
         self.core
             .transact(vec![free], &|_| true, &mut |_, _| {})
             .map_err(FreeClaimError::State)?
             .single()
-            .map_err(FreeClaimError::Store)?;
+            .map_err(|e| match e {
+                crate::claims::ClaimError::Impossible { .. } if while_gone => {
+                    FreeClaimError::HolderAlive {
+                        node: claim.node.clone(),
+                    }
+                }
+                e => FreeClaimError::Store(e),
+            })?;
         log::warn!(
             "claim of volume {volume_id} by allocation {alloc_id} on node {} freed by hand{}: {reason}",
             claim.node,

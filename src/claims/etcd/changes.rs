@@ -200,6 +200,7 @@ impl EtcdClaims {
         volume_id: &str,
         alloc_id: &str,
         holder: Option<&str>,
+        while_gone: bool,
     ) -> Result<(), ClaimError> {
         let key = self.key(volume_id, alloc_id);
         if let Some(f) = &self.fencing {
@@ -211,7 +212,7 @@ impl EtcdClaims {
             .remove(&key)
             .or_else(|| self.recorded_epoch(volume_id, alloc_id));
         let Some(holder) = holder else {
-            return self.free_whoever_holds(&key);
+            return self.free_whoever_holds(&key, while_gone);
         };
         let known = self
             .known
@@ -280,24 +281,48 @@ impl EtcdClaims {
     /// Deletes the claim at `key` whoever holds it (an operator's free),
     /// with its holder's index entry; a value that is not a claim goes
     /// alone (its entry, if any, is dropped as stale where it is found).
-    fn free_whoever_holds(&self, key: &str) -> Result<(), ClaimError> {
+    /// `while_gone`: only while the holder's liveness key is absent, in the
+    /// same `Txn`; a holder that is alive again keeps it (`Impossible`).
+    fn free_whoever_holds(&self, key: &str, while_gone: bool) -> Result<(), ClaimError> {
         for _ in 0..CONFLICT_ATTEMPTS {
             let Some(kv) = self.client.get(key).map_err(unavailable)? else {
                 self.known.lock().remove(key);
                 return Ok(());
             };
+            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
+            let mut compares = vec![same];
             let mut deletes = vec![TxnOp::delete(key.as_bytes())];
+            let mut liveness = None;
             if let Ok(stored) = parse(&kv) {
                 deletes.push(TxnOp::delete(self.index_key_of(key, &stored.claim.node)));
+                if while_gone {
+                    let k = node_key(&self.prefix, &stored.claim.node);
+                    compares.push(Compare::absent(k.clone()));
+                    liveness = Some((k, stored.claim.node));
+                }
             }
-            let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
+            let failure: Vec<TxnOp> = liveness
+                .iter()
+                .map(|(k, _)| TxnOp::get(k.clone()))
+                .collect();
             let t = self
                 .client
-                .txn(&[same], &deletes, &[])
+                .txn(&compares, &deletes, &failure)
                 .map_err(unavailable)?;
             if t.succeeded {
                 self.known.lock().remove(key);
                 return Ok(());
+            }
+            if let Some((_, node)) = liveness {
+                let back = t.first_range().is_some_and(|r| !r.kvs.is_empty());
+                if back {
+                    return Err(ClaimError::Impossible {
+                        volume_id: stored_volume(key),
+                        reason: format!(
+                            "its holder, node {node}, is alive again (its liveness key exists): the claim is left to it"
+                        ),
+                    });
+                }
             }
         }
         Err(ClaimError::Unavailable {
@@ -419,4 +444,9 @@ fn read_of(t: crate::etcd::TxnResponse) -> Result<crate::etcd::RangeResponse, Cl
             reason: "a take's transaction answered without the read it asked for".to_string(),
         }),
     }
+}
+
+/// The volume of a claim key (`<prefix>/claims/<volume>/<alloc>`).
+fn stored_volume(key: &str) -> String {
+    key.rsplit('/').nth(1).unwrap_or_default().to_string()
 }
