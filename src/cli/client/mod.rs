@@ -241,8 +241,9 @@ pub const NODE: Noun = Noun {
         about: "remove a gone node's settings from the cluster",
         details: "\
 Forgets NODE, a node that is gone for good: deletes its settings
-(<prefix>/node-settings/NODE, which every agent's reaper watches) and its
-reaper lock, so the cluster stops looking at it. Refused (exit 1) while
+(<prefix>/node-settings/NODE, which every agent's reaper watches), its
+reaper lock and its claim index marker (<prefix>/claim-index/NODE), so the
+cluster stops looking at it. Refused (exit 1) while
 NODE is alive (its liveness lease is held), while it still holds claims
 (free them first with `claimd volume detach VOLUME --node NODE --reason
 TEXT`), for this agent's own node, and on one node. A node that comes
