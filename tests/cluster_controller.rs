@@ -706,6 +706,86 @@ fn volume_detach_frees_a_dead_nodes_volume_and_refuses_a_live_one() {
     assert!(out.stderr.contains("cluster mode"), "{}", out.stderr);
 }
 
+/// `claimd_claims{state=STATE}` in the node's metrics.
+fn claims_gauge(n: &Node, state: &str) -> Option<f64> {
+    let series = format!("claimd_claims{{state=\"{state}\"}} ");
+    n.agent
+        .cli(&["metrics"])
+        .ok()
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// A controller detach that keeps failing after the node side succeeded,
+/// in cluster mode: the claim in etcd is `node-detached` with the error
+/// (still held), the node's `claimd_claims` gauge counts it as such
+/// (counted from the node's records, no etcd read), nothing is mounted;
+/// once the detach succeeds the claim and its index entry are gone and the
+/// gauge is back to 0.
+#[test]
+fn a_detach_being_retried_shows_the_claim_node_detached_in_etcd_and_the_metrics() {
+    let c = Cluster::start(vec![host("h", &[])]);
+    c.add_volume(&volume());
+    let h = c.node("h");
+    h.mount_ok("n1", "data=v");
+    assert_eq!(claims_gauge(h, "taken"), Some(1.0));
+    assert_eq!(claims_gauge(h, "node-detached"), Some(0.0));
+    h.plugin.faults().set(json!([
+        {"method": CUP, "action": "fail", "code": "UNAVAILABLE", "count": 100000}
+    ]));
+    assert_eq!(
+        h.agent.cli(&["alloc", "release", "n1"]).code,
+        EXIT_OK,
+        "the release starts"
+    );
+    wait_until(
+        RETRY_TIMEOUT,
+        "the claim marked node-detached in etcd",
+        || {
+            c.get_json("claims/v/n1")
+                .is_some_and(|v| v["claim"]["state"] == "node-detached")
+        },
+    );
+    let claim = c.get_json("claims/v/n1").expect("the claim");
+    let why = claim["claim"]["last_error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("UNAVAILABLE") || why.contains("navailable"),
+        "the claim says why it is not freed: {claim}"
+    );
+    wait_until(SHOW_TIMEOUT, "the gauge to count it node-detached", || {
+        claims_gauge(h, "node-detached") == Some(1.0)
+    });
+    assert_eq!(claims_gauge(h, "taken"), Some(0.0));
+    assert_eq!(claims_gauge(h, "releasing"), Some(0.0));
+    assert!(h.mounts().is_empty(), "{:?}", h.mounts());
+    assert_eq!(c.keys("node-claims/h/"), ["node-claims/h/v/n1"]);
+    h.plugin.faults().set(json!([]));
+    wait_until(RETRY_TIMEOUT, "the release to finish", || h.no_allocs());
+    assert!(c.holders("v").is_empty());
+    assert!(
+        c.keys("node-claims/").is_empty(),
+        "{:?}",
+        c.keys("node-claims/")
+    );
+    assert_eq!(claims_gauge(h, "node-detached"), Some(0.0));
+    assert_eq!(claims_gauge(h, "taken"), Some(0.0));
+    let detaches: Vec<String> = h
+        .calls_of(CUP)
+        .iter()
+        .map(|c| c["code"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert!(
+        detaches.len() >= 2
+            && detaches.last().map(String::as_str) == Some("OK")
+            && detaches[..detaches.len() - 1]
+                .iter()
+                .all(|c| c == "UNAVAILABLE"),
+        "the detach failed, was retried, then succeeded: {detaches:?}"
+    );
+}
+
 /// Volume operations asked of a node whose plugin has no controller side
 /// go to a controller host through etcd (`controller-calls/`): create,
 /// snapshot create/list/delete, expand and delete are each performed by

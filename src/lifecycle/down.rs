@@ -221,10 +221,11 @@ pub fn step(
                             alloc_id: alloc_id.to_string(),
                             error: crate::error_chain(&e),
                         };
-                        if let Err(m) = core.transact(vec![mark], &|_| true, &mut |_, _| {}) {
-                            log::info!(
+                        match core.transact(vec![mark], &|_| true, &mut |_, _| {}) {
+                            Ok(_) => core.progress.marked_node_detached(alloc_id, alias),
+                            Err(m) => log::info!(
                                 "release of {alloc_id}/{alias}: claim not marked node-detached: {m}"
-                            );
+                            ),
                         }
                     }
                     return Err(e);

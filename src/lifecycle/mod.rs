@@ -120,16 +120,20 @@ impl Lifecycle {
     /// node; in a cluster, counted from this node's records (a record past
     /// its take holds its claim), so that asking costs the cluster store
     /// nothing (a metrics scrape would otherwise read every claim of the
-    /// cluster, on every node).
+    /// cluster, on every node). A claim this run marked node-detached
+    /// counts as such.
     pub fn claim_states_here(&self) -> Vec<ClaimState> {
         if let Some(claims) = self.core.claims.local_claims() {
             return claims.iter().map(|c| c.state).collect();
         }
+        let detached = self.core.progress.node_detached();
         self.core.store.read(|s| {
             s.alloc_volumes()
                 .filter(|(_, v)| v.phase != crate::state::Phase::Claiming)
                 .map(|(a, v)| {
-                    if a.releasing || v.phase.is_teardown() {
+                    if detached.contains(&(a.id.clone(), v.alias.clone())) {
+                        ClaimState::NodeDetached
+                    } else if a.releasing || v.phase.is_teardown() {
                         ClaimState::Releasing
                     } else {
                         ClaimState::Taken

@@ -103,6 +103,9 @@ struct Inner {
     past_staging: BTreeSet<Key>,
     /// The same for the ControllerUnpublish step and the attachment.
     past_attachment: BTreeSet<Key>,
+    /// Records whose claim this run marked node-detached (the node side
+    /// done, the controller detach failing and retried), until dropped.
+    node_detached: BTreeSet<Key>,
     /// (alloc, alias) -> when a call of that volume timed out (it may still
     /// be carried out by the plugin).
     uncertain: HashMap<Key, Instant>,
@@ -286,6 +289,16 @@ impl Progress {
             .insert(key(alloc_id, alias));
     }
 
+    /// The record's claim was marked node-detached in the cluster store.
+    pub fn marked_node_detached(&self, alloc_id: &str, alias: &str) {
+        self.inner.lock().node_detached.insert(key(alloc_id, alias));
+    }
+
+    /// Records whose claim this run marked node-detached.
+    pub fn node_detached(&self) -> BTreeSet<Key> {
+        self.inner.lock().node_detached.clone()
+    }
+
     /// Records past their NodeUnstage step, and past their
     /// ControllerUnpublish step.
     pub fn past_teardown(&self) -> (BTreeSet<Key>, BTreeSet<Key>) {
@@ -299,6 +312,7 @@ impl Progress {
         let k = key(alloc_id, alias);
         p.past_staging.remove(&k);
         p.past_attachment.remove(&k);
+        p.node_detached.remove(&k);
     }
 
     pub fn message(&self, alloc_id: &str, alias: &str) -> String {

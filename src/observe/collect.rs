@@ -98,7 +98,8 @@ fn records(t: &mut Text, o: &Observer) {
 }
 
 fn claims(t: &mut Text, o: &Observer) {
-    let mut by_state: BTreeMap<&'static str, u64> = [("taken", 0), ("releasing", 0)].into();
+    let mut by_state: BTreeMap<&'static str, u64> =
+        [("taken", 0), ("releasing", 0), ("node-detached", 0)].into();
     for state in o.lifecycle.claim_states_here() {
         let s = match state {
             ClaimState::Taken => "taken",
