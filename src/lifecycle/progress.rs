@@ -214,11 +214,12 @@ impl Progress {
 
     /// An intent was recorded in this run: from now on every call up of
     /// the volume is tracked.
+    /// (A mark of an earlier record of the same key no longer applies.)
     pub fn intent_recorded(&self, alloc_id: &str, alias: &str) {
-        self.inner
-            .lock()
-            .sent
-            .insert(key(alloc_id, alias), SentUp::default());
+        let mut p = self.inner.lock();
+        let k = key(alloc_id, alias);
+        p.node_detached.remove(&k);
+        p.sent.insert(k, SentUp::default());
     }
 
     /// A call up is about to be sent (when its intent is from this run).
