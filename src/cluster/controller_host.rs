@@ -580,8 +580,12 @@ impl Host {
             .client()
             .txn(&[same], &[TxnOp::delete(key.clone())], &[])
         {
-            Ok(_) => {
+            Ok(t) if t.succeeded => {
                 log::info!("controller host: removed the finished call {key} its requester left");
+                self.finished_seen.remove(&key);
+            }
+            // Changed since it was read: the next scan looks at it again.
+            Ok(_) => {
                 self.finished_seen.remove(&key);
             }
             Err(e) => log::info!("controller host: finished call {key} not removed yet: {e}"),
