@@ -165,6 +165,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 mod bare;
+mod breakdown;
 mod cluster;
 mod cluster_support;
 mod disconnect;
@@ -244,6 +245,14 @@ fn main() {
                 Duration::ZERO,
                 Duration::ZERO,
             );
+            // CLOCK_BOOTTIME windows of each operation, split by the
+            // plugin's call log when one runs at a time.
+            let (w_mount, w_rel, w_bare_mount, w_bare_rel) = (
+                breakdown::Windows::default(),
+                breakdown::Windows::default(),
+                breakdown::Windows::default(),
+                breakdown::Windows::default(),
+            );
             let zero = w::GetStatsResponse::new();
             let (mut mount_stats, mut rel_stats) = (zero.clone(), zero.clone());
             let add = |acc: &mut w::GetStatsResponse,
@@ -261,14 +270,16 @@ fn main() {
                         let before = stats(&c);
                         let (lat, wall) = run_parallel(count, threads, |i| {
                             let i = from + i;
-                            mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")])
+                            w_mount.time(|| mount(&c, &format!("{label}-a{i}"), &[format!("v{i}")]))
                         });
                         mount_lat.extend(lat);
                         mount_wall += wall;
                         let mid = stats(&c);
                         let (lat, wall) = run_parallel(count, threads, |i| {
                             let i = from + i;
-                            let r = release(&c, &format!("{label}-a{i}"), Duration::from_secs(60));
+                            let r = w_rel.time(|| {
+                                release(&c, &format!("{label}-a{i}"), Duration::from_secs(60))
+                            });
                             assert!(r.done, "release did not finish");
                         });
                         rel_lat.extend(lat);
@@ -278,12 +289,12 @@ fn main() {
                         add(&mut rel_stats, &mid, &after);
                     } else {
                         let (lat, wall) = run_parallel(count, threads, |i| {
-                            bare.mount(&format!("{label}-b{}", from + i))
+                            w_bare_mount.time(|| bare.mount(&format!("{label}-b{}", from + i)))
                         });
                         bare_mount.extend(lat);
                         bare_mount_wall += wall;
                         let (lat, wall) = run_parallel(count, threads, |i| {
-                            bare.release(&format!("{label}-b{}", from + i))
+                            w_bare_rel.time(|| bare.release(&format!("{label}-b{}", from + i)))
                         });
                         bare_rel.extend(lat);
                         bare_rel_wall += wall;
@@ -318,6 +329,28 @@ fn main() {
                 format!("{label}: release, agent vs bare"),
                 format!("{ar:.2} ms vs {br:.2} ms = {:.2}x", ar / br),
             ));
+            if threads == 1 {
+                let split = |w: &breakdown::Windows| breakdown::phases(&setup.call_log, w);
+                let (m, bm_, r, br_) = (
+                    split(&w_mount),
+                    split(&w_bare_mount),
+                    split(&w_rel),
+                    split(&w_bare_rel),
+                );
+                results.insert(
+                    format!("{label}_breakdown"),
+                    json!({"agent_mount": m.json(), "bare_mount": bm_.json(),
+                        "agent_release": r.json(), "bare_release": br_.json()}),
+                );
+                table.push((
+                    format!("{label}: mount split by the plugin's call log, agent / bare"),
+                    breakdown::row(&m, &bm_),
+                ));
+                table.push((
+                    format!("{label}: release split by the plugin's call log, agent / bare"),
+                    breakdown::row(&r, &br_),
+                ));
+            }
             table.push((
                 format!("{label}: wall time for {} mounts, agent vs bare", args.n),
                 format!(
