@@ -849,3 +849,268 @@ fn defect_15_last_renewed_counts_from_the_real_renewal_after_a_restart() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+// ---- Issue 41: a take that did not answer ---------------------------------------
+
+/// A claim store of node `a` as an agent has it: fenced, its liveness
+/// registered (by the agent's own liveness thread) on a client of its own,
+/// its claims through `endpoints`. Dropping the returned shutdown's guard
+/// is left to the test's end.
+struct NodeA {
+    store: claimd::claims::EtcdClaims,
+    shutdown: claimd::shutdown::Shutdown,
+    _liveness: claimd::cluster::NodeLiveness,
+    _dir: TestDir,
+}
+
+impl Drop for NodeA {
+    fn drop(&mut self) {
+        self.shutdown.trigger();
+    }
+}
+
+fn node_a(etcd: &Etcd, endpoints: &[String]) -> NodeA {
+    use std::sync::Arc;
+    let dir = TestDir::new();
+    let state = Arc::new(claimd::state::StateStore::open(dir.path()).expect("a state directory"));
+    let fencing = Arc::new(claimd::claims::fencing::Fencing::open(
+        dir.path(),
+        "instance-a",
+        state.boot_id(),
+        Duration::from_secs(30),
+        None,
+    ));
+    let shutdown = claimd::shutdown::Shutdown::new();
+    let liveness = claimd::cluster::NodeLiveness::start(
+        etcd.client(),
+        PREFIX,
+        "a",
+        Duration::from_secs(30),
+        shutdown.clone(),
+        Vec::new(),
+        fencing.clone(),
+        claimd::cluster::RegistrationHooks {
+            before_register: Box::new(|| Ok(())),
+            on_registered: Box::new(|| {}),
+        },
+    )
+    .expect("start the liveness thread");
+    wait_until(SHOW_TIMEOUT, "node a to be registered", || {
+        fencing.valid_lease().is_some()
+    });
+    let client = claimd::etcd::EtcdClient::connect(endpoints, etcd.options(Duration::from_secs(2)))
+        .expect("a client");
+    let store = claimd::claims::EtcdClaims::new(client, PREFIX, state)
+        .with_node("a")
+        .with_fencing(fencing);
+    NodeA {
+        store,
+        shutdown,
+        _liveness: liveness,
+        _dir: dir,
+    }
+}
+
+/// One change through the store's contract, as the lifecycle makes it;
+/// its outcome (the local record is left alone).
+fn change(
+    store: &claimd::claims::EtcdClaims,
+    c: claimd::claims::ClaimChange,
+) -> Result<(), claimd::claims::ClaimError> {
+    use claimd::claims::{Applied, ClaimStore, Transaction};
+    let mut record =
+        |_: &mut claimd::state::StateFile, _: &[Result<(), claimd::claims::ClaimError>]| {};
+    let applied = store
+        .transact(Transaction {
+            changes: vec![c],
+            wanted: &|_| true,
+            record: &mut record,
+            closing: false,
+        })
+        .expect("the local write");
+    let Applied::Done(mut outcomes) = applied else {
+        panic!("the change was not wanted")
+    };
+    outcomes.remove(0)
+}
+
+fn take_q(alloc: &str) -> claimd::claims::ClaimChange {
+    claimd::claims::ClaimChange::Take(claimd::claims::ClaimRequest {
+        volume_id: "v".to_string(),
+        alloc_id: alloc.to_string(),
+        node: "a".to_string(),
+        mode: claimd::claims::ClaimMode::Write,
+        access_mode: claimd::volumes::AccessMode::SingleNodeWriter,
+        external_node_id: None,
+    })
+}
+
+fn free_q(alloc: &str) -> claimd::claims::ClaimChange {
+    claimd::claims::ClaimChange::Free {
+        volume_id: "v".to_string(),
+        alloc_id: alloc.to_string(),
+        holder: Some("a".to_string()),
+        while_gone: false,
+    }
+}
+
+fn delay_proxy(etcd: &Etcd) -> DelayProxy {
+    let target = format!("127.0.0.1:{}", etcd.client_port())
+        .parse()
+        .expect("an address");
+    DelayProxy::start(target)
+}
+
+/// A read by the store through its current endpoint, which must pass
+/// `proxy`.
+fn through(a: &NodeA, proxy: &DelayProxy) {
+    let before = proxy.answers();
+    a.store
+        .client()
+        .get(format!("{PREFIX}/warm-up"))
+        .expect("a read through the proxy");
+    assert!(proxy.answers() > before, "the read did not pass the proxy");
+}
+
+/// Lets `proxy` deliver the `n` requests it kept and waits until etcd
+/// answered them.
+fn deliver(proxy: &DelayProxy, n: u64) {
+    let answered = proxy.answers();
+    proxy.release_requests();
+    wait_until(SHOW_TIMEOUT, "etcd to answer what the proxy kept", || {
+        proxy.answers() >= answered + n
+    });
+}
+
+/// A read by the store kept by `proxy` (its current endpoint): it fails
+/// at its deadline, and the store's client moves to its next endpoint.
+fn kept_read(a: &NodeA, proxy: &DelayProxy) {
+    proxy.keep_requests_dropping_cancels();
+    let r = a.store.client().get(format!("{PREFIX}/kept"));
+    assert!(r.is_err(), "the kept read answered: {r:?}");
+}
+
+fn claim_in_etcd(etcd: &Etcd, alloc: &str) -> bool {
+    etcd.client()
+        .get(format!("{PREFIX}/claims/v/{alloc}"))
+        .expect("read the claim")
+        .is_some()
+}
+
+/// Issue 41, defect 2 (seed 657716 of the fault-injection run): node c's
+/// take of mr0 timed out while its link held requests; its mount was
+/// rolled back, and the rollback's free read "no claim" and dropped the
+/// record; then the held take landed, a claim with no record that nothing
+/// freed (for a single-writer volume: every other writer locked out).
+/// Here the take goes through a proxy that keeps it past the client's
+/// deadline (and drops the client's cancel, so etcd carries it out when
+/// it comes); the mount's retry takes the claim through the next endpoint
+/// (the client moves on after a deadline), the release frees it, and only
+/// then is the first take delivered. It must not land: a take compares
+/// the node's liveness revision, and the free of a claim with a take that
+/// did not answer moves the liveness key first (a retry that answered
+/// does not settle the one still in flight).
+///
+/// On f62dff5: "the take landed after its free: claim q1 of v is in etcd".
+#[test]
+fn a_take_that_did_not_answer_cannot_land_after_its_free() {
+    let etcd = Etcd::start();
+    let proxy = delay_proxy(&etcd);
+    let a = node_a(&etcd, &[proxy.endpoint(), etcd.endpoint()]);
+    through(&a, &proxy);
+
+    proxy.keep_requests_dropping_cancels();
+    let kept_from = proxy.answers();
+    let took = change(&a.store, take_q("q1"));
+    assert!(took.is_err(), "the kept take answered: {took:?}");
+    // The mount's retry, and later its release, through the other endpoint.
+    change(&a.store, take_q("q1")).expect("the retried take");
+    change(&a.store, free_q("q1")).expect("the free");
+    assert!(!claim_in_etcd(&etcd, "q1"));
+    assert_eq!(proxy.answers(), kept_from, "something passed the kept link");
+    deliver(&proxy, 1);
+    assert!(
+        !claim_in_etcd(&etcd, "q1"),
+        "the take landed after its free: claim q1 of v is in etcd"
+    );
+    // The node takes claims as before.
+    change(&a.store, take_q("q2")).expect("a take after the fence");
+}
+
+/// Issue 41, defect 2, review finding: the fence itself can come back
+/// ambiguous. The free's move of the liveness key times out (its link
+/// keeps it), the first take lands meanwhile, then the move lands. The
+/// next free must still settle (the key was moved: by this agent, on its
+/// lease) and free the claim that landed, and later takes must compare
+/// where the key is now, not be refused for the rest of the lease as if
+/// it had been lost.
+///
+/// Before the review's fix: "a take after a fence that came back
+/// ambiguous: Unavailable ... is not as this agent registered it".
+#[test]
+fn a_fence_that_did_not_answer_leaves_the_node_able_to_take() {
+    let etcd = Etcd::start();
+    let (p1, p2) = (delay_proxy(&etcd), delay_proxy(&etcd));
+    let a = node_a(&etcd, &[p1.endpoint(), p2.endpoint()]);
+    // Both of the store's connections made (a client moves to its next
+    // endpoint after a deadline; one that is not connected yet is skipped
+    // while it connects), and the store back on p1, which keeps.
+    through(&a, &p1);
+    kept_read(&a, &p1);
+    through(&a, &p2);
+    kept_read(&a, &p2);
+    deliver(&p2, 1);
+
+    let took = change(&a.store, take_q("q1"));
+    assert!(took.is_err(), "the kept take answered: {took:?}");
+    // The free's fence goes through p2, kept too.
+    p2.keep_requests_dropping_cancels();
+    let freed = change(&a.store, free_q("q1"));
+    assert!(freed.is_err(), "the kept fence answered: {freed:?}");
+    // The take lands (the fence has not yet), then the fence.
+    deliver(&p1, 2);
+    assert!(claim_in_etcd(&etcd, "q1"), "the kept take did not land");
+    deliver(&p2, 1);
+    change(&a.store, free_q("q1")).expect("the free, again");
+    assert!(
+        !claim_in_etcd(&etcd, "q1"),
+        "the claim that landed was not freed"
+    );
+    let again = change(&a.store, take_q("q2"));
+    assert!(
+        again.is_ok(),
+        "a take after a fence that came back ambiguous: {again:?}"
+    );
+}
+
+/// Issue 41, defect 2 (the reconciliation half): a claim this node's agent
+/// took in this run that no record and no take in flight covers (a take
+/// that landed after it was given up) is collected by the reconciliation,
+/// whenever it was taken. It skipped every claim newer than the run's
+/// first take ("its record follows"), so such a claim stayed until a
+/// restart.
+///
+/// On f62dff5: "the reconciliation left claim q3 of v: Reconciled { freed:
+/// [], .. }".
+#[test]
+fn a_claim_of_this_run_without_a_record_is_collected_by_the_reconciliation() {
+    let etcd = Etcd::start();
+    let a = node_a(&etcd, &[etcd.endpoint()]);
+    // Taken, and no local record written (as a take that landed late).
+    change(&a.store, take_q("q3")).expect("the take");
+    let mount_root = TestDir::new();
+    let r = a
+        .store
+        .reconcile("a", mount_root.path())
+        .expect("the reconciliation");
+    assert_eq!(
+        r.freed,
+        vec![("v".to_string(), "q3".to_string())],
+        "the reconciliation left claim q3 of v: {r:?}"
+    );
+    assert!(etcd
+        .client()
+        .get(format!("{PREFIX}/claims/v/q3"))
+        .expect("read the claim")
+        .is_none());
+}

@@ -2025,6 +2025,61 @@ fn a_failed_mount_that_shared_the_staging_undoes_it_when_it_was_the_last_user() 
     assert_all_released(&h);
 }
 
+/// Issue 41, defect 1 (seed 657716 of the fault-injection run): a record
+/// holds the staging and the attachment from its intent on, but its way
+/// down undid only the calls it sent itself. Writer a recorded its intent
+/// and sent nothing (its calls up were refused: the lease was not valid);
+/// reader b then did ControllerPublish, NodeStage and NodePublish itself
+/// and was released first, leaving staging and attachment to a (a still
+/// counted as a user); a was then given up and released as the last
+/// holder, and nothing unstaged or detached the volume: a staging mount
+/// and an attachment left on a node with no claim. The last holder tears
+/// them down, whoever set them up.
+///
+/// On f62dff5 the last release sent no NodeUnstageVolume and no
+/// ControllerUnpublishVolume (the staging stayed mounted).
+fn the_last_holder_tears_down_a_staging_and_attachment_it_did_not_set_up() {
+    let h = Harness::new();
+    h.register(spec("v", &[AccessMode::MultiNodeMultiWriter]));
+    let staging = h.staging("v");
+    h.claims().refuse_calls_up("a", false);
+    let m = h.m().clone();
+    let mounting = thread::spawn(move || m.mount("a", &[request("data", "v", false)]));
+    wait_until(WAIT, "a's first call up to be refused", || {
+        h.claims().calls_up_refused("a") > 0
+    });
+    let st = h.state_on_disk();
+    let ra = &st.allocs["a"].volumes["data"];
+    assert_eq!(ra.phase, Phase::Mounting);
+    assert!(ra.holds_staging && ra.holds_attachment, "{ra:?}");
+    assert!(h.lifecycle_calls().is_empty(), "{:?}", h.lifecycle_calls());
+
+    h.m().mount("b", &[request("data", "v", true)]).expect("b");
+    assert_eq!(
+        h.calls_since(0),
+        ok_calls(&[(CP, "v"), (NS, "v"), (NP, "v")])
+    );
+    h.m().release("b").expect("release b");
+    assert!(h.m().wait_released("b", WAIT));
+    // a still counts as a user: b leaves the staging and the attachment.
+    assert_eq!(h.calls_since(3), ok_calls(&[(NU, "v")]));
+    assert!(mount_points_under(&h.mount_root).contains(&staging));
+
+    h.claims().refuse_calls_up("a", true);
+    let err = mounting
+        .join()
+        .expect("the mount thread")
+        .expect_err("a's claim is gone");
+    assert!(matches!(err, MountError::Claim { .. }), "{err:?}");
+    assert!(h.m().wait_released("a", WAIT), "the rollback ends");
+    assert_eq!(
+        h.calls_since(4),
+        ok_calls(&[(NUS, "v"), (CU, "v")]),
+        "the last holder unstages and detaches"
+    );
+    assert_all_released(&h);
+}
+
 // ---- The remote-like store's own path --------------------------------------
 
 /// The claims of the local state file alone (no remote claims merged in).
@@ -2134,6 +2189,7 @@ macro_rules! both_stores {
 
 both_stores!(
     a_failed_mount_that_shared_the_staging_undoes_it_when_it_was_the_last_user,
+    the_last_holder_tears_down_a_staging_and_attachment_it_did_not_set_up,
     restore_converges_from_an_earlier_releases_controller_publishing,
     a_timed_out_publish_that_completes_late_leaves_no_mount,
     the_rollback_of_a_timed_out_publish_waits_before_its_first_unpublish,

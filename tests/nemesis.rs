@@ -457,6 +457,7 @@ fn nemesis() {
         lingering: Mutex::new(Vec::new()),
         undelivered: Mutex::new(Vec::new()),
         crashes: Mutex::new(Vec::new()),
+        infrastructure: Mutex::new(Vec::new()),
         reads: Mutex::new(Vec::new()),
     });
     let roots: Vec<(String, PathBuf)> = nodes
@@ -506,8 +507,10 @@ fn nemesis() {
     // ---- Heal and settle ----
     etcd.heal();
     for i in 0..etcd.members.len() {
-        if !etcd.members[i].is_running() {
-            etcd.restart(i).expect("restart an etcd member");
+        if !etcd.members[i].is_running() || etcd.not_back.contains(&i) {
+            if let Err(e) = faults::restart_member(&mut etcd, i) {
+                faults::infrastructure_fault(&shared, e);
+            }
         }
     }
     faults::revive_crashed(&shared, &mut nodes);
@@ -781,6 +784,7 @@ fn nemesis() {
         "records_checked": records_checked, "records_held_checked": held_checked,
         "reads": reads.len(), "reads_ok": reads_ok, "reads_checked": reads_checked,
         "acked": acked, "violations": violations.len(),
+        "infrastructure": shared.infrastructure.lock().expect("lock").clone(),
         "total_s": began.elapsed().as_secs()});
     eprintln!("nemesis: summary-json {summary}");
     eprintln!(

@@ -69,6 +69,10 @@ pub struct StoredClaim {
     pub instance: Option<String>,
 }
 
+/// A take whose `Txn` did not answer: the node it named and the revision
+/// of that node's liveness key it compared.
+pub(super) type UncertainTake = (String, i64);
+
 /// The takes of one transaction, counted in flight while it lives.
 struct InFlight<'a> {
     map: &'a Mutex<HashMap<(String, String), usize>>,
@@ -129,11 +133,11 @@ pub struct EtcdClaims {
     /// watch made after a refusal starts right after it (no change in
     /// between is missed).
     take_reads: Arc<Mutex<HashMap<String, i64>>>,
-    /// The revision of this process's first read for a take (0: none yet):
-    /// every claim this process writes has a later mod revision, so the
-    /// reconciliation tells this run's claims from older ones by revision,
-    /// never by wall clocks.
-    pub(super) first_take_read: Arc<std::sync::atomic::AtomicI64>,
+    /// (volume, allocation) -> (node, liveness revision compared) of takes
+    /// whose `Txn` did not answer (a timeout: it may still land). Freeing
+    /// one first moves the liveness key past that revision, so a take still
+    /// in flight can never land after the free looked (`changes.rs`).
+    pub(super) uncertain_takes: Arc<Mutex<HashMap<(String, String), UncertainTake>>>,
     /// Claim key -> its epoch (create revision), as this process took or
     /// read it: the fencing token of attach requests.
     epochs: Arc<Mutex<HashMap<String, i64>>>,
@@ -161,7 +165,7 @@ impl EtcdClaims {
             node: String::new(),
             fencing: None,
             take_reads: Default::default(),
-            first_take_read: Default::default(),
+            uncertain_takes: Default::default(),
             epochs: Default::default(),
             takes_in_flight: Default::default(),
             freed_retention: DEFAULT_FREED_NOTE_RETENTION,
@@ -394,7 +398,7 @@ impl EtcdClaims {
             node: self.node.clone(),
             fencing: self.fencing.clone(),
             take_reads: self.take_reads.clone(),
-            first_take_read: self.first_take_read.clone(),
+            uncertain_takes: self.uncertain_takes.clone(),
             epochs: self.epochs.clone(),
             takes_in_flight: self.takes_in_flight.clone(),
             freed_retention: self.freed_retention,
@@ -506,10 +510,19 @@ impl ClaimStore for EtcdClaims {
         if written {
             return Ok(Applied::Done(outcomes));
         }
-        // Not wanted any more: the claims this transaction took are given
-        // back (best effort: reconciliation frees any left behind).
+        // Not wanted any more: the claims this transaction took, or may
+        // have taken (a take that did not answer), are given back (best
+        // effort: reconciliation frees any left behind).
         for (change, outcome) in txn.changes.iter().zip(&outcomes) {
-            if let (ClaimChange::Take(req), Ok(())) = (change, outcome) {
+            let ClaimChange::Take(req) = change else {
+                continue;
+            };
+            let maybe = outcome.is_err()
+                && self
+                    .uncertain_takes
+                    .lock()
+                    .contains_key(&(req.volume_id.clone(), req.alloc_id.clone()));
+            if outcome.is_ok() || maybe {
                 let free = ClaimChange::Free {
                     volume_id: req.volume_id.clone(),
                     alloc_id: req.alloc_id.clone(),

@@ -249,6 +249,11 @@ pub struct Fencing {
     /// The previous run's last answered send time (this boot only).
     persisted: Option<Duration>,
     live: Mutex<Option<(LeaseId, RenewalClock)>>,
+    /// The mod revision of this node's liveness key as this agent last
+    /// wrote it (registration, or `takes_fenced`), while the lease is held:
+    /// every take compares it, so a take still in flight when this node
+    /// moves it (or when the key ends with its lease) can never land.
+    liveness_revision: Mutex<Option<i64>>,
     /// (volume, alloc) -> the lease it was confirmed under.
     confirmed: Mutex<HashMap<(String, String), LeaseId>>,
     /// The send time last written to the file.
@@ -306,6 +311,7 @@ impl Fencing {
             path,
             persisted,
             live: Mutex::new(None),
+            liveness_revision: Mutex::new(None),
             confirmed: Mutex::new(HashMap::new()),
             written: Mutex::new(None),
             back: Mutex::new((0, None)),
@@ -317,9 +323,11 @@ impl Fencing {
         &self.instance
     }
 
-    /// The liveness thread registered `lease`; `clock` reads its renewals.
-    pub fn lease_registered(&self, lease: LeaseId, clock: RenewalClock) {
+    /// The liveness thread registered `lease` (its liveness key written at
+    /// `revision`); `clock` reads its renewals.
+    pub fn lease_registered(&self, lease: LeaseId, revision: i64, clock: RenewalClock) {
         let sent = clock.last_sent_boottime();
+        *self.liveness_revision.lock() = Some(revision);
         *self.live.lock() = Some((lease, clock));
         self.persist();
         let mut back = self.back.lock();
@@ -351,6 +359,48 @@ impl Fencing {
     /// etcd said the lease is gone: nothing confirmed under it counts.
     pub fn lease_lost(&self) {
         *self.live.lock() = None;
+        *self.liveness_revision.lock() = None;
+    }
+
+    /// The mod revision of this node's liveness key that a take compares
+    /// (None: not registered, no take may be sent).
+    pub fn liveness_revision(&self) -> Option<i64> {
+        *self.liveness_revision.lock()
+    }
+
+    /// The liveness key was seen at `revision` holding `lease`: when that
+    /// is this agent's current lease and a later revision than the one
+    /// takes compare, this agent moved it (a fence whose answer was lost):
+    /// takes compare that one from now on. Moving forward never lets an
+    /// older take land (it compares an older revision).
+    pub fn liveness_seen(&self, lease: Option<LeaseId>, revision: i64) {
+        let ours = self.live.lock().as_ref().map(|(l, _)| *l);
+        if lease.is_none() || lease != ours {
+            return;
+        }
+        let mut r = self.liveness_revision.lock();
+        if r.is_some_and(|now| now < revision) {
+            *r = Some(revision);
+        }
+    }
+
+    /// Waits up to `timeout` for this agent to be registered (a take
+    /// before it is refused); true when it is.
+    pub fn wait_registered(&self, timeout: Duration, shutdown: &crate::shutdown::Shutdown) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut back = self.back.lock();
+        loop {
+            if self.liveness_revision.lock().is_some() {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline || shutdown.is_triggered() {
+                return false;
+            }
+            // Bounded slices: the shutdown flag is re-checked.
+            let slice = (deadline - now).min(Duration::from_millis(200));
+            self.back_cv.wait_for(&mut back, slice);
+        }
     }
 
     /// The send time (CLOCK_BOOTTIME) of the last keep-alive etcd answered,
@@ -368,6 +418,12 @@ impl Fencing {
     /// How long ago that was.
     pub fn since_last_sent(&self) -> Option<Duration> {
         self.last_sent().map(|s| boottime().saturating_sub(s))
+    }
+
+    /// The lease this agent registered with, valid or not by its clock
+    /// (None: not registered).
+    pub fn registered_lease(&self) -> Option<LeaseId> {
+        self.live.lock().as_ref().map(|(l, _)| *l)
     }
 
     /// The current lease, while it is valid by this node's own clock.

@@ -24,9 +24,11 @@ impl EtcdClaims {
     /// Claims in etcd held by `node` for which no local record exists (a
     /// crash between the claim store's round trip and the local write, or a
     /// state directory replaced by hand) are freed, after checking that
-    /// nothing of theirs is mounted under `mount_root`. Only claims taken
-    /// before this process's first take (by etcd revision) are looked at: a
-    /// claim this process takes is recorded locally right after.
+    /// nothing of theirs is mounted under `mount_root`, whenever they were
+    /// taken: a take of this process counts as in flight from before its
+    /// round trip until its record is written, and a take that did not
+    /// answer and is no longer wanted (its record gone) is exactly what
+    /// must be collected here.
     pub fn reconcile(
         &self,
         node: &str,
@@ -134,12 +136,7 @@ impl EtcdClaims {
                 out.kept.push((c.volume_id.clone(), c.alloc_id.clone()));
                 continue;
             }
-            // Taken (or confirmed) by this process: its record follows.
-            let first = self
-                .first_take_read
-                .load(std::sync::atomic::Ordering::SeqCst);
-            let this_run = first != 0 && kv.mod_revision > first;
-            if c.node != node || this_run {
+            if c.node != node {
                 continue;
             }
             // Remembered as read (unless this run wrote it since): the

@@ -205,7 +205,7 @@ fn register(
     reg: &Registration<'_>,
     value: &[u8],
     lease: LeaseId,
-) -> Result<(), RegisterError> {
+) -> Result<i64, RegisterError> {
     use crate::etcd::{Compare, CompareOp, TxnOp};
     let mut ops = vec![TxnOp::put_with_lease(reg.key, value.to_vec(), lease)];
     ops.extend(
@@ -217,7 +217,7 @@ fn register(
         .txn(&[Compare::absent(reg.key)], &ops, &[TxnOp::get(reg.key)])
         .map_err(RegisterError::Etcd)?;
     if t.succeeded {
-        return Ok(());
+        return Ok(t.revision);
     }
     let Some(kv) = t.first_range().and_then(|r| r.kvs.first()) else {
         return Err(RegisterError::Changed);
@@ -228,7 +228,7 @@ fn register(
             let same = Compare::mod_revision(reg.key, CompareOp::Equal, kv.mod_revision);
             let t = client.txn(&[same], &ops, &[]).map_err(RegisterError::Etcd)?;
             if t.succeeded {
-                Ok(())
+                Ok(t.revision)
             } else {
                 Err(RegisterError::Changed)
             }
@@ -275,17 +275,20 @@ fn run(
             .map_err(RegisterError::Before)
             .and_then(|()| client.lease_grant(ttl).map_err(RegisterError::Etcd))
             .and_then(|lease| {
-                if let Err(e) = register(client, reg, &value, lease) {
-                    // Not left to expire: the lease is this agent's alone.
-                    let _ = client.lease_revoke(lease);
-                    return Err(e);
-                }
+                let revision = match register(client, reg, &value, lease) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        // Not left to expire: the lease is this agent's alone.
+                        let _ = client.lease_revoke(lease);
+                        return Err(e);
+                    }
+                };
                 client
                     .keep_alive(lease)
-                    .map(|k| (lease, k))
+                    .map(|k| (lease, revision, k))
                     .map_err(RegisterError::Etcd)
             });
-        let (lease, keep_alive) = match held {
+        let (lease, revision, keep_alive) = match held {
             Ok(k) => k,
             Err(e) => {
                 match &e {
@@ -310,7 +313,7 @@ fn run(
             lease: Some(lease),
             clock: Some(keep_alive.renewal_clock()),
         };
-        fencing.lease_registered(lease, keep_alive.renewal_clock());
+        fencing.lease_registered(lease, revision, keep_alive.renewal_clock());
         (hooks.on_registered)();
         // Renewal happens on the keep-alive's own thread; this one reports
         // and notices a lease etcd says is gone.

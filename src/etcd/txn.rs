@@ -142,6 +142,10 @@ pub enum TxnOp {
     },
     /// Deletes `[key, range_end)` (`key` alone when `range_end` is empty).
     Delete { key: Vec<u8>, range_end: Vec<u8> },
+    /// Writes `key` again with its value and lease unchanged (etcd's
+    /// `ignore_value` and `ignore_lease`): only its mod revision moves. The
+    /// key must exist (guard it with a compare), or the `Txn` fails.
+    Touch { key: Vec<u8> },
 }
 
 impl TxnOp {
@@ -178,6 +182,10 @@ impl TxnOp {
         }
     }
 
+    pub fn touch(key: impl Into<Vec<u8>>) -> TxnOp {
+        TxnOp::Touch { key: key.into() }
+    }
+
     pub fn delete(key: impl Into<Vec<u8>>) -> TxnOp {
         TxnOp::Delete {
             key: key.into(),
@@ -202,6 +210,12 @@ impl TxnOp {
             }
             TxnOp::Delete { key, range_end } => {
                 op.set_request_delete_range(delete_request(key, range_end));
+            }
+            TxnOp::Touch { key } => {
+                let mut r = put_request(key, &[], None);
+                r.ignore_value = true;
+                r.ignore_lease = true;
+                op.set_request_put(r);
             }
         }
         op

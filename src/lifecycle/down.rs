@@ -32,6 +32,9 @@ enum Call {
 #[derive(Debug)]
 pub struct Down {
     left: Vec<Call>,
+    /// The calls up this record sent, when its intent is from this run
+    /// (None: unknown, after a restart).
+    sent: Option<SentUp>,
     /// The claim was marked node-detached (once, when the detach failed).
     node_detached_marked: bool,
 }
@@ -44,23 +47,39 @@ impl Default for Down {
 
 impl Down {
     /// The way down of a volume whose calls up are known (its intent was
-    /// recorded in this run): only what was sent is undone, in reverse.
+    /// recorded in this run): its own NodePublish is undone only when it
+    /// was sent. The staging and the attachment are shared: the last
+    /// holder tears them down when any record may have set them up
+    /// (`Progress::stage_live`, `attachment_live`), whoever sent the call.
     /// Unknown (an intent from before a restart): the whole way.
     pub fn after(sent: Option<SentUp>) -> Down {
         let mut down = Down::new();
         if let Some(s) = sent {
             down.left.retain(|c| match c {
                 Call::NodeUnpublish => s.node_publish,
-                Call::NodeUnstage => s.node_stage,
-                Call::ControllerUnpublish => s.controller_publish,
-                Call::FreeClaim => true,
+                Call::NodeUnstage | Call::ControllerUnpublish | Call::FreeClaim => true,
             });
         }
+        down.sent = sent;
         down
+    }
+
+    /// Whether this record's way down unstages `staging` when it is its
+    /// last holder: its history is unknown, or a NodeStage of it (by this
+    /// record or another) may have reached it and was not undone.
+    fn unstages(&self, core: &Core, staging: &Path) -> bool {
+        self.sent.map_or(true, |s| s.node_stage) || core.progress.stage_live(staging)
+    }
+
+    /// The same for the attachment of `volume_id` to `node_id`.
+    fn detaches(&self, core: &Core, volume_id: &str, node_id: &str) -> bool {
+        self.sent.map_or(true, |s| s.controller_publish)
+            || core.progress.attachment_live(volume_id, node_id)
     }
 
     pub fn new() -> Down {
         Down {
+            sent: None,
             node_detached_marked: false,
             left: vec![
                 Call::NodeUnpublish,
@@ -171,7 +190,7 @@ pub fn step(
             let others = core
                 .store
                 .read(|s| s.staging_users_but(&staging, me, &past));
-            if rec.holds_staging && others == 0 {
+            if rec.holds_staging && others == 0 && down.unstages(core, &staging) {
                 wait_out_uncertain(core, alloc_id, alias)?;
                 let node = core
                     .plugin_for_release(&rec.plugin_id, PluginKind::Node, deadline)
@@ -187,6 +206,7 @@ pub fn step(
                 }
                 failpoints::hit("after-node-unstage");
                 ensure_unmounted(&staging, "NodeUnstageVolume")?;
+                core.progress.stage_torn_down(&staging);
                 let _ = std::fs::remove_dir(&staging);
                 core.paths.remove_empty_parents(&staging);
             }
@@ -206,12 +226,9 @@ pub fn step(
             let others = core
                 .store
                 .read(|s| s.attachment_users_but(&rec.volume_id, me, &past));
-            if rec.holds_attachment && others == 0 {
-                core.progress.set_attachment(
-                    &rec.volume_id,
-                    rec.external_node_id.as_deref().unwrap_or_default(),
-                    None,
-                );
+            let node_id = rec.external_node_id.as_deref().unwrap_or_default();
+            if rec.holds_attachment && others == 0 && down.detaches(core, &rec.volume_id, node_id) {
+                core.progress.set_attachment(&rec.volume_id, node_id, None);
                 if let Err(e) = detach(core, &rec, deadline) {
                     // Shown in `claim list` while the detach is retried.
                     if !down.node_detached_marked {
@@ -231,6 +248,7 @@ pub fn step(
                     return Err(e);
                 }
                 failpoints::hit("after-controller-unpublish");
+                core.progress.attachment_torn_down(&rec.volume_id, node_id);
             }
             core.progress.passed_attachment(alloc_id, alias);
         }

@@ -96,6 +96,13 @@ struct Inner {
     /// Staging paths whose NodeStage answered in this run and that have not
     /// been unstaged since.
     stagings: HashSet<std::path::PathBuf>,
+    /// Staging paths a NodeStage may have reached on this node (sent in
+    /// this run by any record, or held by a record found at restore) with no
+    /// NodeUnstage answered since: whichever record is the last holder of
+    /// one tears it down, whoever sent the call.
+    stages_live: HashSet<std::path::PathBuf>,
+    /// The same for (volume, external node ID) and ControllerPublish.
+    attachments_live: HashSet<(String, String)>,
     /// Records whose way down passed its NodeUnstage step (unstaged, or
     /// left the staging to other users) in this run: they no longer count
     /// as users of the staging path, though their flag stays until the
@@ -275,6 +282,48 @@ impl Progress {
 
     pub fn is_staged(&self, path: &std::path::Path) -> bool {
         self.inner.lock().stagings.contains(path)
+    }
+
+    /// A NodeStage of `path` is about to be sent (or a record that may have
+    /// sent one was found at restore): the last holder must unstage it.
+    pub fn stage_may_be_live(&self, path: &std::path::Path) {
+        self.inner.lock().stages_live.insert(path.to_path_buf());
+    }
+
+    /// A NodeUnstage of `path` answered (done, or nothing there).
+    pub fn stage_torn_down(&self, path: &std::path::Path) {
+        self.inner.lock().stages_live.remove(path);
+    }
+
+    /// Whether a NodeStage may have reached `path` and was not undone.
+    pub fn stage_live(&self, path: &std::path::Path) -> bool {
+        self.inner.lock().stages_live.contains(path)
+    }
+
+    /// A ControllerPublish of the volume to the node is about to be sent
+    /// (or may have been, by a record found at restore).
+    pub fn attachment_may_be_live(&self, volume_id: &str, node_id: &str) {
+        self.inner
+            .lock()
+            .attachments_live
+            .insert((volume_id.to_string(), node_id.to_string()));
+    }
+
+    /// A ControllerUnpublish of the volume from the node answered.
+    pub fn attachment_torn_down(&self, volume_id: &str, node_id: &str) {
+        self.inner
+            .lock()
+            .attachments_live
+            .remove(&(volume_id.to_string(), node_id.to_string()));
+    }
+
+    /// Whether a ControllerPublish of the volume to the node may have
+    /// happened and was not undone.
+    pub fn attachment_live(&self, volume_id: &str, node_id: &str) -> bool {
+        self.inner
+            .lock()
+            .attachments_live
+            .contains(&(volume_id.to_string(), node_id.to_string()))
     }
 
     /// The volume's way down passed its NodeUnstage step.

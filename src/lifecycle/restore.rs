@@ -76,6 +76,20 @@ fn plan(snapshot: &StateFile, table: &MountTable, rebooted: bool) -> Plan {
 pub fn restore(core: &Arc<Core>, progress: &dyn Fn(RestoreProgress)) -> RestoreReport {
     failpoints::hit("restore-start");
     let mut report = RestoreReport::default();
+    // Whatever the records hold may have been set up by any of them before
+    // this run: the last holder tears it down (`down::Down::after`). First,
+    // so that no way out of the restore skips it.
+    core.store.read(|s| {
+        for (_, v) in s.alloc_volumes() {
+            if let (true, Some(staging)) = (v.holds_staging, &v.staging_path) {
+                core.progress.stage_may_be_live(staging);
+            }
+            if v.holds_attachment {
+                let node_id = v.external_node_id.as_deref().unwrap_or_default();
+                core.progress.attachment_may_be_live(&v.volume_id, node_id);
+            }
+        }
+    });
     let table = match MountTable::read() {
         Ok(t) => t,
         Err(e) => {

@@ -165,6 +165,8 @@ pub fn step(
             // decides by the users left).
             core.progress
                 .sending(alloc_id, alias, |s| s.controller_publish = true);
+            core.progress
+                .attachment_may_be_live(&rec.volume_id, &node_id);
             let shared = core
                 .progress
                 .attachment(&rec.volume_id, &node_id)
@@ -211,6 +213,7 @@ pub fn step(
             // As above: staged here or shared, this record uses it now.
             core.progress
                 .sending(alloc_id, alias, |s| s.node_stage = true);
+            core.progress.stage_may_be_live(&staging);
             let shared = core.progress.is_staged(&staging)
                 || core.store.read(|s| s.staging_established(&staging, me));
             if !shared {

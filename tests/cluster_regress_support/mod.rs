@@ -30,6 +30,11 @@ struct DelayState {
     reply_delay_ms: AtomicU64,
     /// Requests stay in the socket: nothing new reaches etcd.
     requests_held: AtomicBool,
+    /// Requests are read and kept in the proxy, the client's cancellations
+    /// (HTTP/2 RST_STREAM frames) left out, and delivered at release.
+    requests_kept: AtomicBool,
+    /// gRPC answers (HTTP/2 HEADERS frames that end a stream) etcd sent.
+    answers: AtomicU64,
     stopped: AtomicBool,
 }
 
@@ -86,7 +91,93 @@ impl DelayProxy {
 
     pub fn release_requests(&self) {
         self.state.requests_held.store(false, Ordering::SeqCst);
+        self.state.requests_kept.store(false, Ordering::SeqCst);
     }
+
+    /// Every request from now on is kept in the proxy until
+    /// `release_requests`, and the client's cancellations of them are
+    /// dropped: a link that delays requests past the client's deadline,
+    /// delivering them to an etcd that never learns the client gave up
+    /// (the cancel can be lost or come too late in a real network; here it
+    /// never comes, so what etcd does with a late request is certain).
+    pub fn keep_requests_dropping_cancels(&self) {
+        self.state.requests_kept.store(true, Ordering::SeqCst);
+    }
+
+    /// How many gRPC answers etcd sent through the proxy so far.
+    pub fn answers(&self) -> u64 {
+        self.state.answers.load(Ordering::SeqCst)
+    }
+}
+
+/// The client's connection preface of HTTP/2.
+const H2_PREFACE_LEN: usize = 24;
+/// HTTP/2 frame types and flags the proxy looks at.
+const H2_HEADERS: u8 = 0x1;
+const H2_RST_STREAM: u8 = 0x3;
+const H2_END_STREAM: u8 = 0x1;
+
+/// Cuts a byte stream of HTTP/2 into its preface (client side) and frames.
+struct H2Frames {
+    buf: Vec<u8>,
+    preface_left: usize,
+}
+
+impl H2Frames {
+    fn new(preface: usize) -> H2Frames {
+        H2Frames {
+            buf: Vec::new(),
+            preface_left: preface,
+        }
+    }
+
+    /// The complete pieces (the preface, then whole frames) that `data`
+    /// finishes, in order, each with whether it is (part of) the preface.
+    fn push(&mut self, data: &[u8]) -> Vec<(bool, Vec<u8>)> {
+        self.buf.extend_from_slice(data);
+        let mut out = Vec::new();
+        if self.preface_left > 0 {
+            let n = self.preface_left.min(self.buf.len());
+            out.push((true, self.buf.drain(..n).collect()));
+            self.preface_left -= n;
+            if self.preface_left > 0 {
+                return out;
+            }
+        }
+        while self.buf.len() >= 9 {
+            let len = (usize::from(self.buf[0]) << 16)
+                | (usize::from(self.buf[1]) << 8)
+                | usize::from(self.buf[2]);
+            if self.buf.len() < 9 + len {
+                break;
+            }
+            out.push((false, self.buf.drain(..9 + len).collect()));
+        }
+        out
+    }
+}
+
+/// Whether a whole frame belongs to the connection (stream 0) and is one
+/// whose order against the streams' frames does not matter: PING,
+/// SETTINGS, WINDOW_UPDATE.
+fn connection_frame(frame: &[u8]) -> bool {
+    const PING: u8 = 0x6;
+    const SETTINGS: u8 = 0x4;
+    const WINDOW_UPDATE: u8 = 0x8;
+    frame.len() >= 9
+        && matches!(frame[3], PING | SETTINGS | WINDOW_UPDATE)
+        && u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff == 0
+}
+
+/// The stream ID of a whole frame.
+fn h2_stream(frame: &[u8]) -> Option<u32> {
+    (frame.len() >= 9)
+        .then(|| u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff)
+}
+
+/// (type, flags) of a whole frame.
+fn h2_kind(frame: &[u8]) -> Option<(u8, u8)> {
+    (frame.len() >= 9).then(|| (frame[3], frame[4]))
 }
 
 impl Drop for DelayProxy {
@@ -118,20 +209,114 @@ fn connect_pumps(agent: TcpStream, etcd: TcpStream, st: &Arc<DelayState>) {
 fn pump_requests(mut from: TcpStream, mut to: TcpStream, st: &DelayState) {
     let _ = from.set_read_timeout(Some(PUMP_TICK));
     let mut buf = vec![0u8; 16 * 1024];
+    let mut frames = H2Frames::new(H2_PREFACE_LEN);
+    let mut kept: Vec<u8> = Vec::new();
+    // Bytes forwarded as they came (not keeping: the stream passes
+    // untouched) beyond the last whole piece the parser gave back.
+    let mut ahead = 0usize;
+    let mut was_keeping = false;
+    // The connection's preface is among the kept bytes: nothing may pass
+    // before it.
+    let mut preface_kept = false;
+    // Streams with a frame kept: their cancels are dropped.
+    let mut kept_streams = std::collections::BTreeSet::new();
+    // Keeping ended: what was kept goes first. When bytes pass as they
+    // come again (no stream was kept), so does the start of a frame the
+    // parser holds (less what was forwarded of it before keeping began);
+    // else the parser hands it on whole. The bytes forwarded ahead, after.
+    let release =
+        |kept: &mut Vec<u8>, frames: &H2Frames, ahead: usize, raw: bool, to: &mut TcpStream| {
+            if raw {
+                kept.extend_from_slice(&frames.buf[ahead.min(frames.buf.len())..]);
+            }
+            let ok = to.write_all(kept).is_ok();
+            kept.clear();
+            ok.then_some(if raw { frames.buf.len() } else { ahead })
+        };
     while !st.stopped.load(Ordering::SeqCst) {
         if st.requests_held.load(Ordering::SeqCst) {
             thread::sleep(PUMP_TICK);
             continue;
         }
-        match from.read(&mut buf) {
+        let keeping = st.requests_kept.load(Ordering::SeqCst);
+        if !keeping && was_keeping {
+            let Some(a) = release(&mut kept, &frames, ahead, kept_streams.is_empty(), &mut to)
+            else {
+                break;
+            };
+            ahead = a;
+            preface_kept = false;
+        }
+        was_keeping = keeping;
+        let n = match from.read(&mut buf) {
             Ok(0) => break,
-            Ok(n) => {
-                if to.write_all(&buf[..n]).is_err() {
-                    break;
-                }
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
             Err(_) => break,
+        };
+        // As of now, not of before the read: a request that came after
+        // the test said "keep" is kept, one after "release" is not.
+        let keeping = st.requests_kept.load(Ordering::SeqCst);
+        if !keeping && was_keeping {
+            let Some(a) = release(&mut kept, &frames, ahead, kept_streams.is_empty(), &mut to)
+            else {
+                break;
+            };
+            ahead = a;
+            preface_kept = false;
+        }
+        was_keeping = keeping;
+        // Bytes pass as they come until a request was kept; from then on
+        // frame by frame, so that a late cancel of a kept request can be
+        // left out.
+        if !keeping && kept_streams.is_empty() {
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+            ahead += n;
+        }
+        let mut now = Vec::new();
+        for (preface, piece) in frames.push(&buf[..n]) {
+            let sent = ahead.min(piece.len());
+            ahead -= sent;
+            if sent == piece.len() {
+                continue;
+            }
+            let stream = h2_stream(&piece);
+            let kind = h2_kind(&piece).map(|k| k.0);
+            // The client's cancels never reach etcd: of a request kept now,
+            // or of one kept before (the cancel can come after the release).
+            if !preface
+                && sent == 0
+                && kind == Some(H2_RST_STREAM)
+                && (keeping || stream.is_some_and(|id| kept_streams.contains(&id)))
+            {
+                continue;
+            }
+            if !keeping {
+                now.extend_from_slice(&piece[sent..]);
+                continue;
+            }
+            if preface {
+                preface_kept = true;
+                kept.extend_from_slice(&piece[sent..]);
+                continue;
+            }
+            // Frames of the connection, not of a stream (pings, settings,
+            // window updates of the connection) pass: a client whose ping
+            // is not answered closes the connection, and what was kept
+            // with it.
+            if sent == 0 && !preface_kept && connection_frame(&piece) {
+                now.extend_from_slice(&piece);
+                continue;
+            }
+            if let Some(id) = stream.filter(|id| *id != 0) {
+                kept_streams.insert(id);
+            }
+            kept.extend_from_slice(&piece[sent..]);
+        }
+        if !now.is_empty() && to.write_all(&now).is_err() {
+            break;
         }
     }
     let _ = from.shutdown(Shutdown::Both);
@@ -141,10 +326,18 @@ fn pump_requests(mut from: TcpStream, mut to: TcpStream, st: &DelayState) {
 fn read_replies(mut from: TcpStream, tx: &mpsc::Sender<(Instant, Vec<u8>)>, st: &DelayState) {
     let _ = from.set_read_timeout(Some(PUMP_TICK));
     let mut buf = vec![0u8; 16 * 1024];
+    let mut frames = H2Frames::new(0);
     while !st.stopped.load(Ordering::SeqCst) {
         match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
+                let ends = frames
+                    .push(&buf[..n])
+                    .iter()
+                    .filter_map(|(_, f)| h2_kind(f))
+                    .filter(|(kind, flags)| *kind == H2_HEADERS && flags & H2_END_STREAM != 0)
+                    .count();
+                st.answers.fetch_add(ends as u64, Ordering::SeqCst);
                 let delay = Duration::from_millis(st.reply_delay_ms.load(Ordering::SeqCst));
                 if tx
                     .send((Instant::now() + delay, buf[..n].to_vec()))

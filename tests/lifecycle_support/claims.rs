@@ -63,6 +63,12 @@ pub struct TestClaims {
     fail_verb: Mutex<BTreeMap<&'static str, usize>>,
     /// Remote round trips: "verb volume alloc" per change.
     log: Mutex<Vec<String>>,
+    /// Allocation -> whether its calls up are refused for good (true) or
+    /// for now (false, retried), as a cluster store does when the claim
+    /// is gone or the lease is not valid (`check_call_up`).
+    calls_up_refused: Mutex<BTreeMap<String, bool>>,
+    /// Calls up of an allocation refused so far.
+    calls_up_checked: Mutex<BTreeMap<String, usize>>,
 }
 
 impl TestClaims {
@@ -78,6 +84,8 @@ impl TestClaims {
             fail_next: AtomicUsize::new(0),
             fail_verb: Mutex::new(BTreeMap::new()),
             log: Mutex::new(Vec::new()),
+            calls_up_refused: Mutex::new(BTreeMap::new()),
+            calls_up_checked: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -110,6 +118,23 @@ impl TestClaims {
     /// `mark-releasing`, `free`) fail as if the store were cut off.
     pub fn fail_verb(&self, verb: &'static str, n: usize) {
         self.fail_verb.lock().insert(verb, n);
+    }
+
+    /// Every call up of `alloc` from now on is refused: for now (retried,
+    /// like a lease that is not valid) or for good (like a claim gone).
+    pub fn refuse_calls_up(&self, alloc: &str, for_good: bool) {
+        self.calls_up_refused
+            .lock()
+            .insert(alloc.to_string(), for_good);
+    }
+
+    /// How many calls up of `alloc` were refused so far.
+    pub fn calls_up_refused(&self, alloc: &str) -> usize {
+        self.calls_up_checked
+            .lock()
+            .get(alloc)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The remote round trips so far (remote store only).
@@ -293,6 +318,28 @@ impl ClaimStore for TestClaims {
                 Ok(Applied::Done(outcomes))
             }
         }
+    }
+
+    fn check_call_up(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
+        let Some(for_good) = self.calls_up_refused.lock().get(alloc_id).copied() else {
+            return Ok(());
+        };
+        *self
+            .calls_up_checked
+            .lock()
+            .entry(alloc_id.to_string())
+            .or_default() += 1;
+        Err(if for_good {
+            ClaimError::Impossible {
+                volume_id: volume_id.to_string(),
+                reason: format!("the claim of allocation {alloc_id} is no longer held"),
+            }
+        } else {
+            ClaimError::Unavailable {
+                store: "test".to_string(),
+                reason: "the lease is not valid now".to_string(),
+            }
+        })
     }
 
     fn list(&self) -> Vec<Claim> {

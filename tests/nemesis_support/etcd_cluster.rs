@@ -155,6 +155,9 @@ pub struct EtcdCluster {
     initial_cluster: String,
     token: String,
     isolated: Isolated,
+    /// Members whose last restart did not serve in time (still to be
+    /// started again; the cluster runs on the others meanwhile).
+    pub not_back: std::collections::BTreeSet<usize>,
 }
 
 impl EtcdCluster {
@@ -206,6 +209,7 @@ impl EtcdCluster {
             initial_cluster,
             token: token.to_string(),
             isolated,
+            not_back: Default::default(),
         };
         for i in 0..c.members.len() {
             let (ic, tok) = (c.initial_cluster.clone(), c.token.clone());
@@ -304,8 +308,10 @@ impl EtcdCluster {
         let (ic, tok) = (self.initial_cluster.clone(), self.token.clone());
         self.members[i].spawn(&ic, &tok);
         if self.wait_serving(i, MEMBER_START_TIMEOUT) {
+            self.not_back.remove(&i);
             Ok(())
         } else {
+            self.not_back.insert(i);
             Err(format!(
                 "member {} did not serve again; its log ends with:\n{}",
                 self.members[i].name,

@@ -103,6 +103,10 @@ pub struct Shared {
     pub undelivered: Mutex<Vec<usize>>,
     /// Agents that exited without being killed.
     pub crashes: Mutex<Vec<String>>,
+    /// Faults of the harness's own infrastructure the run survived (an etcd
+    /// member that did not serve again in time): reported, never a
+    /// violation.
+    pub infrastructure: Mutex<Vec<String>>,
     /// Every read of a read-only holding (`evidence.rs`).
     pub reads: Mutex<Vec<super::evidence::Read>>,
 }

@@ -48,49 +48,53 @@ impl EtcdClaims {
     /// Takes the claim: one `Txn` when the volume has no claim yet (it
     /// takes it, or reads what is there), else a read and a `Txn` that
     /// holds only while nothing of the volume's claims changed since.
+    /// With fencing (an agent), every take `Txn` also compares this node's
+    /// liveness key with the revision this agent wrote it at: a take still
+    /// in flight lands only while the node is registered and has not fenced
+    /// its takes off since (`settle_uncertain_take`).
     pub(super) fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
         let prefix = self.volume_prefix(&req.volume_id);
         let lease = self.lease_before();
         let key = self.key(&req.volume_id, &req.alloc_id);
-        let mut read = {
-            let stored = self.new_claim(req);
-            let value = serde_json::to_vec(&stored).expect("a claim always encodes");
-            let t = self
-                .client
-                .txn(
-                    &[Compare::prefix_empty(prefix.clone())],
-                    &[TxnOp::put(key.clone(), value), self.index_put(req)],
-                    &[TxnOp::get_prefix(prefix.clone())],
-                )
-                .map_err(unavailable)?;
-            if t.succeeded {
-                // Every claim this process writes from now on has a later
-                // revision than the one before this one.
-                let _ = self.first_take_read.compare_exchange(
-                    0,
-                    t.revision - 1,
-                    std::sync::atomic::Ordering::SeqCst,
-                    std::sync::atomic::Ordering::SeqCst,
-                );
-                self.took(req, key, stored, &t, lease);
-                return Ok(());
+        let mut liveness = self.take_liveness(req)?;
+        let mut read = None;
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            if attempts > CONFLICT_ATTEMPTS + 1 {
+                return Err(ClaimError::Unavailable {
+                    store: "etcd".to_string(),
+                    reason: format!(
+                        "the claims of volume {} kept changing while this node tried to take one",
+                        req.volume_id
+                    ),
+                });
             }
-            Some(read_of(t)?)
-        };
-        for _ in 0..CONFLICT_ATTEMPTS {
             let r = match read.take() {
                 Some(r) => r,
+                None if attempts == 1 => {
+                    // No claim of the volume yet: one `Txn` takes it (or
+                    // reads what is there).
+                    let mut compares = vec![Compare::prefix_empty(prefix.clone())];
+                    compares.extend(liveness.compare());
+                    let stored = self.new_claim(req);
+                    let value = serde_json::to_vec(&stored).expect("a claim always encodes");
+                    let t = self.take_txn(req, &liveness, &compares, &key, value, &prefix)?;
+                    if t.succeeded {
+                        self.took(req, key, stored, &t, lease);
+                        return Ok(());
+                    }
+                    if let Some(again) = self.liveness_moved(req, &liveness, &t)? {
+                        liveness = again;
+                        continue;
+                    }
+                    read_of(t)?
+                }
                 None => self.client.range_prefix(&prefix).map_err(unavailable)?,
             };
             self.take_reads
                 .lock()
                 .insert(req.volume_id.clone(), r.revision);
-            let _ = self.first_take_read.compare_exchange(
-                0,
-                r.revision,
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-            );
             let mut others = Vec::new();
             let mut changed = false;
             for kv in &r.kvs {
@@ -167,28 +171,164 @@ impl EtcdClaims {
             let unchanged =
                 Compare::mod_revision(prefix.as_bytes(), CompareOp::Less, r.revision + 1)
                     .with_prefix();
-            let t = self
-                .client
-                .txn(
-                    &[unchanged],
-                    &[TxnOp::put(key.clone(), value), self.index_put(req)],
-                    &[TxnOp::get_prefix(prefix.clone())],
-                )
-                .map_err(unavailable)?;
+            let mut compares = vec![unchanged];
+            compares.extend(liveness.compare());
+            let t = self.take_txn(req, &liveness, &compares, &key, value, &prefix)?;
             if t.succeeded {
                 // A new key: created at the transaction's revision.
                 self.took(req, key, stored, &t, lease);
                 return Ok(());
             }
+            if let Some(again) = self.liveness_moved(req, &liveness, &t)? {
+                liveness = again;
+                continue;
+            }
             read = Some(read_of(t)?);
         }
-        Err(ClaimError::Unavailable {
-            store: "etcd".to_string(),
-            reason: format!(
-                "the claims of volume {} kept changing while this node tried to take one",
-                req.volume_id
-            ),
-        })
+    }
+
+    /// The liveness revision a take compares: none without fencing (a
+    /// store that is not an agent's); an agent not registered takes nothing.
+    fn take_liveness(&self, req: &ClaimRequest) -> Result<TakeLiveness, ClaimError> {
+        let Some(f) = &self.fencing else {
+            return Ok(TakeLiveness(None));
+        };
+        let key = node_key(&self.prefix, &req.node);
+        if f.liveness_revision().is_none() {
+            // Registering (at start, or after the lease was lost): a take
+            // waits for it a little rather than a whole claim backoff.
+            f.wait_registered(REGISTRATION_WAIT, &crate::shutdown::Shutdown::new());
+        }
+        match f.liveness_revision() {
+            Some(rev) => Ok(TakeLiveness(Some((key, rev)))),
+            None => Err(ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: format!(
+                    "this node is not registered in etcd ({key} is not held by this agent's lease): no claim is taken until it is"
+                ),
+            }),
+        }
+    }
+
+    /// One take `Txn`: the claim and its index entry on success, the
+    /// volume's claims (and this node's liveness key) read on failure. A
+    /// `Txn` that did not answer is remembered as uncertain.
+    fn take_txn(
+        &self,
+        req: &ClaimRequest,
+        liveness: &TakeLiveness,
+        compares: &[Compare],
+        key: &str,
+        value: Vec<u8>,
+        prefix: &str,
+    ) -> Result<crate::etcd::TxnResponse, ClaimError> {
+        let mut failure = vec![TxnOp::get_prefix(prefix.to_string())];
+        if let Some((k, _)) = &liveness.0 {
+            failure.push(TxnOp::get(k.clone()));
+        }
+        self.client
+            .txn(
+                compares,
+                &[TxnOp::put(key.to_string(), value), self.index_put(req)],
+                &failure,
+            )
+            .map_err(|e| {
+                if let Some((_, rev)) = &liveness.0 {
+                    self.uncertain_takes.lock().insert(
+                        (req.volume_id.clone(), req.alloc_id.clone()),
+                        (req.node.clone(), *rev),
+                    );
+                }
+                unavailable(e)
+            })
+    }
+
+    /// After a take `Txn` failed: whether its liveness compare did. Some
+    /// (the revision to compare now) when this agent moved the key itself
+    /// since; an error when the key is gone or not this lease's any more
+    /// (the lease ended: no take until the node registers again); None
+    /// when the liveness held (the volume's claims changed).
+    fn liveness_moved(
+        &self,
+        req: &ClaimRequest,
+        liveness: &TakeLiveness,
+        t: &crate::etcd::TxnResponse,
+    ) -> Result<Option<TakeLiveness>, ClaimError> {
+        let Some((key, rev)) = &liveness.0 else {
+            return Ok(None);
+        };
+        let seen = match t.responses.get(1) {
+            Some(crate::etcd::TxnOpResponse::Range(r)) => r.kvs.first(),
+            _ => None,
+        };
+        let now = seen.map(|kv| kv.mod_revision);
+        if now == Some(*rev) {
+            return Ok(None);
+        }
+        if let (Some(f), Some(kv)) = (&self.fencing, seen) {
+            f.liveness_seen(kv.lease, kv.mod_revision);
+        }
+        let again = self.take_liveness(req)?;
+        match &again.0 {
+            Some((_, r)) if now == Some(*r) && r != rev => Ok(Some(again)),
+            _ => Err(ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: format!(
+                    "{key} is not as this agent registered it (its lease ended?): no claim is taken until the node registers again"
+                ),
+            }),
+        }
+    }
+
+    /// Before a claim whose take did not answer is freed (or given up): a
+    /// take still in flight could land after the free read "no claim".
+    /// Every take compares this node's liveness revision; moving the key
+    /// past the revision that take compared (one `Txn` that writes it with
+    /// value and lease unchanged) makes sure it never lands. A key moved
+    /// already (a registration since, the lease ended, another fence) did
+    /// the same. After this, what the free reads is final. An entry stays
+    /// until this settles it: a later take of the same claim that answered
+    /// does not stop an earlier one still in flight.
+    pub(super) fn settle_uncertain_take(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+    ) -> Result<(), ClaimError> {
+        let k = (volume_id.to_string(), alloc_id.to_string());
+        let Some((node, rev)) = self.uncertain_takes.lock().get(&k).cloned() else {
+            return Ok(());
+        };
+        let key = node_key(&self.prefix, &node);
+        let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, rev);
+        let t = self
+            .client
+            .txn(
+                &[same],
+                &[TxnOp::touch(key.as_bytes())],
+                &[TxnOp::get(key.as_bytes())],
+            )
+            .map_err(unavailable)?;
+        if let Some(f) = &self.fencing {
+            // Moved here, or before (a fence of this agent whose answer was
+            // lost moved it too: takes compare where it is now).
+            match t.responses.first() {
+                Some(crate::etcd::TxnOpResponse::Range(r)) => {
+                    if let Some(kv) = r.kvs.first() {
+                        f.liveness_seen(kv.lease, kv.mod_revision);
+                    }
+                }
+                _ if t.succeeded => f.liveness_seen(f.registered_lease(), t.revision),
+                _ => {}
+            }
+        }
+        if t.succeeded {
+            log::info!(
+                "cluster: a take of the claim of volume {volume_id} by {alloc_id} did not answer: {key} moved to revision {} so that it can no longer land",
+                t.revision
+            );
+        }
+        self.uncertain_takes.lock().remove(&k);
+        Ok(())
     }
 
     /// Deletes the claim; with `holder`, only while that node holds it (one
@@ -206,6 +346,9 @@ impl EtcdClaims {
         if let Some(f) = &self.fencing {
             f.forget(volume_id, alloc_id);
         }
+        // A take that did not answer may still land: made impossible first,
+        // so that the read below is final.
+        self.settle_uncertain_take(volume_id, alloc_id)?;
         let epoch = self
             .epochs
             .lock()
@@ -449,4 +592,19 @@ fn read_of(t: crate::etcd::TxnResponse) -> Result<crate::etcd::RangeResponse, Cl
 /// The volume of a claim key (`<prefix>/claims/<volume>/<alloc>`).
 fn stored_volume(key: &str) -> String {
     key.rsplit('/').nth(1).unwrap_or_default().to_string()
+}
+
+/// How long a take waits for this agent's registration before it is
+/// refused (and retried by the mount with its backoff).
+const REGISTRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The liveness key a take compares and its revision (None: no compare).
+struct TakeLiveness(Option<(String, i64)>);
+
+impl TakeLiveness {
+    fn compare(&self) -> Option<Compare> {
+        self.0
+            .as_ref()
+            .map(|(k, rev)| Compare::mod_revision(k.as_bytes(), CompareOp::Equal, *rev))
+    }
 }
