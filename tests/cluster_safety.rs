@@ -658,6 +658,52 @@ fn the_claims_epoch_reaches_the_plugins_that_ask_for_it() {
         .is_some_and(|e| e > 0));
 }
 
+/// Issue 37, item 3: a mount whose plugins were ready took its claim in
+/// its first write, and that intent did not keep the claim's epoch (only
+/// a take that waited did); a call up computed the epoch before the check
+/// that reads the claim back could fill it in. So after a restart the
+/// restore's NodeStage and NodePublish reached an epoch-checking plugin
+/// without `claimd.io/epoch`, and `alloc status` showed no epoch. Node a
+/// mounts p1, is killed, its mounts vanish, it starts again: the restore's
+/// calls carry p1's epoch and `alloc status` shows it.
+///
+/// On f62dff5: the restore's NodeStage had no epoch (None, not Some(e)).
+#[test]
+fn the_epoch_survives_a_restart_and_reaches_the_restores_calls() {
+    let spec = host("a", &[])
+        .plugin_args(&["--epoch-key", EPOCH_KEY])
+        .cluster_field("epoch_plugins", json!([PLUGIN_ID]));
+    let mut c = Cluster::start(vec![spec]);
+    c.add_volume(&volume());
+    c.node("a").mount_ok("p1", "data=v");
+    let e1 = c
+        .etcd
+        .client()
+        .get(format!("{PREFIX}/claims/v/p1"))
+        .expect("read etcd")
+        .expect("the claim")
+        .create_revision;
+    let a = c.node_mut("a");
+    a.agent.kill();
+    for m in a.mounts().iter().rev() {
+        let out = std::process::Command::new("umount")
+            .arg(&m.mount_point)
+            .output()
+            .expect("run umount");
+        assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
+    }
+    a.agent.spawn();
+    a.agent.wait_listening();
+    wait_until(SHOW_TIMEOUT, "the restore to publish p1 again", || {
+        a.calls_of(NP).len() == 2
+    });
+    let stage = a.calls_of(NS).pop().expect("the restore's NodeStage");
+    assert_eq!(epoch_in(&stage, "publish_context"), Some(e1), "{stage}");
+    let publish = a.calls_of(NP).pop().expect("the restore's NodePublish");
+    assert_eq!(epoch_in(&publish, "publish_context"), Some(e1), "{publish}");
+    assert_eq!(a.volume_status("p1")["epoch"], json!(e1));
+}
+
 /// ControllerPublishVolume of a single-writer mount volume with `epoch`
 /// in its volume context.
 fn single_writer_publish(

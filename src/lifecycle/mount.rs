@@ -162,6 +162,10 @@ fn record_intent(
                 if let (Ok(()), Some(v)) = (outcome, volumes.get_mut(alias)) {
                     let staged = s.staging_path_of(&v.volume_id, (alloc_id, alias));
                     plans[&v.plugin_id].enter(v, paths, staged);
+                    // The take just wrote or read the claim: its epoch
+                    // (the fencing token) is kept with the intent, for the
+                    // calls up after a restart.
+                    v.epoch = core.claims.epoch(&v.volume_id, alloc_id);
                     core.progress.intent_recorded(alloc_id, alias);
                 }
             }

@@ -135,7 +135,17 @@ pub fn step(
     if let Some(ctx) = &up.publish_context {
         sent.publish_context = ctx.clone();
     }
-    // The claim's epoch, for a plugin that asked for it.
+    let Some(call) = up.next() else {
+        return Ok(Step::Done);
+    };
+    // No call up under a claim the cluster may have freed: confirmed in
+    // this process under a lease still valid, or read back (`fencing`).
+    // A mount resumed after a pause or a restore lands here too.
+    core.claims
+        .check_call_up(&rec.volume_id, alloc_id)
+        .map_err(StepError::Claim)?;
+    // The claim's epoch, for a plugin that asked for it: recorded with the
+    // intent, or known since the check (a read back fills it in).
     let epoch = if core.opts.epoch_plugins.contains(&rec.plugin_id) {
         rec.epoch
             .or_else(|| core.claims.epoch(&rec.volume_id, alloc_id))
@@ -146,15 +156,6 @@ pub fn step(
         epoch,
         ..sent.volume_ref()
     };
-    let Some(call) = up.next() else {
-        return Ok(Step::Done);
-    };
-    // No call up under a claim the cluster may have freed: confirmed in
-    // this process under a lease still valid, or read back (`fencing`).
-    // A mount resumed after a pause or a restore lands here too.
-    core.claims
-        .check_call_up(&rec.volume_id, alloc_id)
-        .map_err(StepError::Claim)?;
     match call {
         Call::ControllerPublish => {
             // Attached to this node for another allocation already (in
