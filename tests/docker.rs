@@ -416,14 +416,17 @@ fn the_protocol_answers_as_the_engines_expect_and_mount_and_unmount_are_idempote
     assert!(err("/VolumeDriver.Get", json!({"Name": "nosuch"})).contains("not registered"));
     assert!(err("/VolumeDriver.Bogus", json!({})).contains("not an endpoint"));
 
-    // Mount twice with one ID: one allocation, one path, one NodePublish.
+    // Mount twice with one ID: one allocation counted twice, one path,
+    // one NodePublish.
     let id = "0123456789abcdef".repeat(4);
+    let alloc = format!("docker-{id}-db");
     let m1 = ok("/VolumeDriver.Mount", json!({"Name": "db", "ID": id}));
     let m2 = ok("/VolumeDriver.Mount", json!({"Name": "db", "ID": id}));
     assert_eq!(m1, m2);
     let path = m1["Mountpoint"].as_str().expect("a mountpoint").to_string();
     assert!(is_mount_point(std::path::Path::new(&path)), "{path}");
     assert_eq!(w.calls(), [CP, NS, NP]);
+    assert_eq!(w.agent.state_allocs()[&alloc]["references"], 2);
     assert_eq!(
         ok("/VolumeDriver.Path", json!({"Name": "db"}))["Mountpoint"],
         path.as_str()
@@ -434,6 +437,7 @@ fn the_protocol_answers_as_the_engines_expect_and_mount_and_unmount_are_idempote
         got["Volume"]["Status"]["mounts"][0]["mount_id"],
         id.as_str()
     );
+    assert_eq!(got["Volume"]["Status"]["mounts"][0]["references"], 2);
     let list = ok("/VolumeDriver.List", json!({}));
     assert_eq!(list["Volumes"][0]["Name"], "db");
     // Remove is refused while claimed, naming the holder.
@@ -449,8 +453,26 @@ fn the_protocol_answers_as_the_engines_expect_and_mount_and_unmount_are_idempote
     );
     assert!(e.contains("may only contain letters and digits"), "{e}");
 
-    // Unmount: the ID's allocation is released; again, or an unknown ID,
-    // succeeds and calls nothing.
+    // The local API leaves the engines' allocations to them.
+    let out = w
+        .agent
+        .cli(&["alloc", "mount", "docker-x", "--volume", "data=db"])
+        .expect_code(EXIT_USAGE);
+    assert!(
+        out.stderr.contains(
+            "starts with docker-, which is reserved for the mounts of Docker and Podman containers"
+        ),
+        "{}",
+        out.stderr
+    );
+
+    // Unmount: one reference fewer, the mount stays; the last one releases
+    // the ID's allocation; again, or an unknown ID, succeeds and calls
+    // nothing.
+    ok("/VolumeDriver.Unmount", json!({"Name": "db", "ID": id}));
+    assert_eq!(w.calls(), [CP, NS, NP]);
+    assert!(is_mount_point(std::path::Path::new(&path)), "{path}");
+    assert!(w.agent.state_allocs()[&alloc].get("references").is_none());
     ok("/VolumeDriver.Unmount", json!({"Name": "db", "ID": id}));
     assert_eq!(w.calls(), ONE_CONTAINER);
     ok("/VolumeDriver.Unmount", json!({"Name": "db", "ID": id}));
@@ -717,4 +739,240 @@ fn a_volume_without_external_id_is_created_through_the_controller_with_secrets_f
     assert!(w.volumes().is_empty());
     assert!(w.plugin.call_log().calls_of("DeleteVolume").is_empty());
     assert!(f.exists());
+}
+
+/// One request of the protocol that must succeed: its answer.
+fn plugin_ok(socket: &std::path::Path, path: &str, body: Value) -> Value {
+    let (code, answer) = post(socket, path, &body);
+    assert_eq!(code, 200, "{path} {body}: {answer}");
+    assert!(answer.get("Err").is_none(), "{path}: {answer}");
+    answer
+}
+
+/// The target path of an engine allocation's one volume, from the state.
+fn target_of(w: &World, alloc: &str) -> PathBuf {
+    let allocs = w.agent.state_allocs();
+    let path = allocs[alloc]["volumes"]["volume"]["target_path"]
+        .as_str()
+        .unwrap_or_else(|| panic!("allocation {alloc} recorded: {allocs:?}"));
+    PathBuf::from(path)
+}
+
+#[test]
+fn docker_cp_and_export_of_a_running_container_keep_its_mount_claim_and_data() {
+    let w = World::with("cp", json!({"mount_timeout": "2s"}));
+    let d = Dockerd::start(w.dir.path());
+    d.docker(&w.create_args(&[], "db")).ok();
+    d.start_container(
+        "writer",
+        &w.driver,
+        "db",
+        "echo before > /data/before; i=0; while true; do i=$((i+1)); echo $i >> /data/log; sleep 0.05; done",
+    )
+    .ok();
+    let lines = || {
+        fs::read_to_string(w.file("log"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    wait_until(CLEANUP_TIMEOUT, "the container to write", || lines() >= 5);
+    assert_eq!(w.calls(), [CP, NS, NP]);
+    let allocs = w.agent.state_allocs();
+    assert_eq!(allocs.len(), 1, "{allocs:?}");
+    let alloc = allocs.keys().next().expect("one").clone();
+    let target = target_of(&w, &alloc);
+    assert!(is_mount_point(&target), "{}", target.display());
+
+    // Docker mounts the running container's volumes again, with the
+    // container's own mount ID, around each copy, and unmounts them after.
+    let host = w.dir.path().join("host");
+    fs::create_dir_all(&host).expect("a host directory");
+    for round in 1..=2 {
+        let src = host.join(format!("in{round}"));
+        fs::write(&src, format!("copied in {round}\n")).expect("a file to copy");
+        let dest = format!("writer:/data/in{round}");
+        d.docker(&["cp", src.to_str().expect("UTF-8"), &dest]).ok();
+        let out = host.join(format!("out{round}"));
+        d.docker(&["cp", "writer:/data/before", out.to_str().expect("UTF-8")])
+            .ok();
+        assert_eq!(fs::read_to_string(&out).expect("copied out"), "before\n");
+        assert_eq!(
+            fs::read_to_string(w.file(&format!("in{round}"))).expect("copied in"),
+            format!("copied in {round}\n")
+        );
+    }
+    let tar = host.join("export.tar");
+    d.docker(&["export", "-o", tar.to_str().expect("UTF-8"), "writer"])
+        .ok();
+    assert!(tar.metadata().is_ok_and(|m| m.len() > 0));
+
+    // Every Mount was counted and every Unmount undid one: no CSI call,
+    // the allocation and its claim stay, the mount too.
+    let log = w.agent.log();
+    let (again, once) = (
+        log.matches("mounted again").count(),
+        log.matches("unmounted once").count(),
+    );
+    assert!(again >= 4, "one Mount per copy at least: {again}\n{log}");
+    assert_eq!(again, once, "as many Unmounts as Mounts");
+    assert_eq!(w.calls(), [CP, NS, NP], "no CSI call");
+    let allocs = w.agent.state_allocs();
+    assert_eq!(allocs.keys().collect::<Vec<_>>(), [&alloc]);
+    assert!(allocs[&alloc].get("references").is_none(), "back to one");
+    assert!(allocs[&alloc]["releasing"] != true);
+    assert!(is_mount_point(&target));
+    assert_eq!(w.claims().len(), 1);
+    let at = lines();
+    wait_until(CLEANUP_TIMEOUT, "the container to keep writing", || {
+        lines() >= at + 10
+    });
+
+    // The single-node-writer volume still admits no second writer.
+    let out = d.run_with(&w.driver, "db", "true").failed();
+    assert!(
+        out.text().contains(&format!(
+            "volume db was not mounted within 2s: volume db is claimed for writing by allocation {alloc}"
+        )),
+        "{}",
+        out.text()
+    );
+    assert_eq!(w.calls(), [CP, NS, NP]);
+
+    // The container's own stop releases it; every file written stays.
+    d.docker(&["rm", "-f", "writer"]).ok();
+    let calls = w.wait_calls(6, "the writer's Unmount");
+    assert_eq!(calls, ONE_CONTAINER);
+    assert!(w.claims().is_empty());
+    assert!(w.agent.state_allocs().is_empty());
+    assert_eq!(
+        fs::read_to_string(w.file("before")).expect("kept"),
+        "before\n"
+    );
+    for round in 1..=2 {
+        assert!(w.file(&format!("in{round}")).exists());
+    }
+    assert!(lines() >= at + 10);
+}
+
+/// Podman's one mount ID for every mount (libpod's `pseudoCtrID`).
+const PODMAN_MOUNT_ID: &str = "2f73349cfc4630255319c6c8dfc1b46a8996ace9d14d8e07563b165915918ec2";
+
+#[test]
+fn podman_containers_of_one_volume_share_one_allocation_released_after_the_last_one_stops() {
+    let w = World::new("podshare");
+    let p = Podman::new(w.dir.path(), &w.driver, &w.socket());
+    p.podman(&w.create_args(&[], "db")).ok();
+    let alloc = format!("docker-{PODMAN_MOUNT_ID}-db");
+    // The first container out first, then the second out first.
+    for (round, order) in [["p1", "p2"], ["p2", "p1"]].iter().enumerate() {
+        let before = w.calls().len();
+        for name in ["p1", "p2"] {
+            let script = format!("echo {name} > /data/{name}-{round}; exec sleep 1000");
+            p.start_container(name, "db", &script).ok();
+        }
+        wait_until(CLEANUP_TIMEOUT, "both containers' files", || {
+            ["p1", "p2"]
+                .iter()
+                .all(|n| w.file(&format!("{n}-{round}")).exists())
+        });
+        // Podman counts its containers itself and sends one Mount, with
+        // its one ID: one allocation, so a single-node-writer volume is
+        // written by both containers of this node.
+        assert_eq!(w.calls()[before..], [CP, NS, NP], "round {round}");
+        let allocs = w.agent.state_allocs();
+        assert_eq!(allocs.keys().collect::<Vec<_>>(), [&alloc]);
+        assert!(allocs[&alloc].get("references").is_none());
+        assert_eq!(w.claims().len(), 1);
+        let target = target_of(&w, &alloc);
+
+        p.podman(&["rm", "-f", order[0]]).ok();
+        assert_eq!(
+            w.calls()[before..],
+            [CP, NS, NP],
+            "{} out first: nothing released",
+            order[0]
+        );
+        assert!(is_mount_point(&target));
+        assert_eq!(w.claims().len(), 1);
+        p.podman(&["rm", "-f", order[1]]).ok();
+        let calls = w.wait_calls(before + 6, "the last container's Unmount");
+        assert_eq!(calls[before..], ONE_CONTAINER, "round {round}");
+        assert!(!is_mount_point(&target));
+        assert!(w.claims().is_empty());
+        assert!(w.agent.state_allocs().is_empty());
+    }
+}
+
+#[test]
+fn an_engine_mounts_count_survives_a_restart_of_the_agent_between_mount_and_unmount() {
+    let mut w = World::new("refrestart");
+    let sock = w.socket();
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    let id = "a1b2c3d4".repeat(8);
+    let alloc = format!("docker-{id}-db");
+    let mount = json!({"Name": "db", "ID": id});
+    let m = plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    let path = PathBuf::from(m["Mountpoint"].as_str().expect("a mountpoint"));
+    assert_eq!(w.calls(), [CP, NS, NP]);
+
+    // Killed as soon as the second Mount is answered: its count was
+    // durable before the answer.
+    w.agent.kill_now();
+    assert_eq!(w.agent.state_allocs()[&alloc]["references"], 2);
+    w.agent.spawn();
+    w.agent.wait_listening();
+    wait_until(Duration::from_secs(30), "the plugin socket", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    assert_eq!(w.agent.state_allocs()[&alloc]["references"], 2);
+
+    // The first Unmount leaves one reference: nothing released.
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount.clone());
+    assert_eq!(w.calls(), [CP, NS, NP], "no call at the restart either");
+    assert!(is_mount_point(&path), "{}", path.display());
+    assert!(w.agent.state_allocs()[&alloc].get("references").is_none());
+    assert_eq!(w.claims().len(), 1);
+    // The second releases.
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
+    assert_eq!(w.calls(), ONE_CONTAINER);
+    assert!(!is_mount_point(&path));
+    assert!(w.claims().is_empty());
+}
+
+#[test]
+fn an_engine_mount_counted_twice_that_no_container_uses_is_released_with_every_reference() {
+    let w = World::with("deadref", json!({"unused_check_interval": "1s"}));
+    let sock = w.socket();
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    let mount = json!({"Name": "db", "ID": "feed".repeat(16)});
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    // No container holds it (only this test asked): the engine is taken
+    // for dead, and both references go with the release.
+    let calls = w.wait_calls(6, "the rule to release the unused mount");
+    assert_eq!(calls, ONE_CONTAINER);
+    assert!(
+        w.agent
+            .log()
+            .contains("releasing it with its 2 reference(s)"),
+        "{}",
+        w.agent.log()
+    );
+    assert!(w.claims().is_empty());
+    // The engine's late Unmounts find nothing and change nothing.
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount.clone());
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
+    assert_eq!(w.calls(), ONE_CONTAINER);
+    assert!(w.agent.state_allocs().is_empty());
 }

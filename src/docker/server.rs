@@ -42,8 +42,10 @@ pub fn start(
             path: socket.clone(),
             reason: e.to_string(),
         })?;
+    let turns = super::references::Turns::default();
     super::unused::start(
         lifecycle.clone(),
+        turns.clone(),
         config.unused_check_interval,
         threads,
         stop.clone(),
@@ -53,6 +55,7 @@ pub fn start(
         lifecycle,
         cluster,
         mount_timeout: config.mount_timeout,
+        turns,
     };
     log::info!(
         "Docker volume plugin {} listening on {}",

@@ -5,8 +5,11 @@
 //! asks whether any process outside the agent's own mount namespace still
 //! has that volume's data mounted: a container's namespace holds a bind
 //! mount of it (the same device and root in its mountinfo). A mount that
-//! no other namespace holds at two checks in a row is released, as its
-//! Unmount would have done.
+//! no other namespace holds at two checks in a row is released with every
+//! reference it counts (the engine that would have unmounted them is
+//! gone). A Mount of the allocation between two checks clears its mark,
+//! and the decision is made in the allocation's turn (`references`), so a
+//! Mount adding a reference and the rule never cross.
 //!
 //! Conservative by design: a volume is in use while any other namespace
 //! holds any of its data (a second container, a copy of the host's mounts
@@ -14,11 +17,12 @@
 //! released; one that is not may be kept a while longer. Two checks in a
 //! row leave a container a whole interval between Mount and its start.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
 use super::driver::ALLOC_PREFIX;
+use super::references::Turns;
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
 use crate::state::Phase;
@@ -30,14 +34,14 @@ type Data = (String, String);
 
 pub fn start(
     lifecycle: Lifecycle,
+    turns: Turns,
     interval: Duration,
     threads: &mut Threads,
     stop: Shutdown,
 ) -> std::io::Result<()> {
     threads.spawn("docker-unused", move || {
-        let mut unused_once = BTreeSet::new();
         while stop.sleep(interval) {
-            check(&lifecycle, &mut unused_once);
+            check(&lifecycle, &turns);
         }
     })
 }
@@ -95,7 +99,7 @@ fn data_in_other_namespaces() -> std::io::Result<HashSet<Data>> {
     Ok(data)
 }
 
-fn check(lifecycle: &Lifecycle, unused_once: &mut BTreeSet<String>) {
+fn check(lifecycle: &Lifecycle, turns: &Turns) {
     let mounts: Vec<(String, std::path::PathBuf)> = lifecycle
         .list_allocs()
         .into_iter()
@@ -105,7 +109,7 @@ fn check(lifecycle: &Lifecycle, unused_once: &mut BTreeSet<String>) {
             (v.phase == Some(Phase::Published)).then(|| (a.id.clone(), v.host_path.clone()))
         })
         .collect();
-    unused_once.retain(|id| mounts.iter().any(|(a, _)| a == id));
+    turns.retain_marks(|id| mounts.iter().any(|(a, _)| a == id));
     if mounts.is_empty() {
         return;
     }
@@ -129,16 +133,23 @@ fn check(lifecycle: &Lifecycle, unused_once: &mut BTreeSet<String>) {
         };
         if others.contains(data) {
             in_use += 1;
-            unused_once.remove(alloc);
-        } else if unused_once.remove(alloc) {
+            turns.unmark(alloc);
+            continue;
+        }
+        // A request for it is running: the engine is alive and using it.
+        let Some(_turn) = turns.try_take(alloc) else {
+            turns.unmark(alloc);
+            continue;
+        };
+        if turns.mark(alloc) {
+            turns.unmark(alloc);
+            let references = lifecycle.references(alloc).unwrap_or(1);
             log::warn!(
-                "docker: no container uses the mount of allocation {alloc} any more (its engine stopped without Unmount): releasing it"
+                "docker: no container uses the mount of allocation {alloc} any more (its engine stopped without Unmount): releasing it with its {references} reference(s)"
             );
             if let Err(e) = lifecycle.release(alloc) {
                 log::error!("docker: allocation {alloc} cannot be released: {e}");
             }
-        } else {
-            unused_once.insert(alloc.clone());
         }
     }
     log::debug!(
