@@ -976,3 +976,65 @@ fn an_engine_mount_counted_twice_that_no_container_uses_is_released_with_every_r
     assert_eq!(w.calls(), ONE_CONTAINER);
     assert!(w.agent.state_allocs().is_empty());
 }
+
+#[test]
+fn after_a_reboot_the_engines_restored_mounts_count_no_reference_so_their_first_unmount_releases() {
+    let mut w = World::new("reboot");
+    let sock = w.socket();
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    // Podman's one ID: its containers' Mount before the reboot, counted
+    // twice (a retried Mount, say).
+    let alloc = format!("docker-{PODMAN_MOUNT_ID}-db");
+    let mount = json!({"Name": "db", "ID": PODMAN_MOUNT_ID});
+    let m = plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    let path = PathBuf::from(m["Mountpoint"].as_str().expect("a mountpoint"));
+    assert_eq!(w.agent.state_allocs()[&alloc]["references"], 2);
+
+    // The reboot: the agent stopped (its state in the snapshot), the
+    // plugin and every mount gone, the state written during another boot.
+    w.agent.terminate(Duration::from_secs(20));
+    let mut mounted = mounts_under(w.dir.path());
+    mounted.reverse();
+    for m in mounted {
+        let out = std::process::Command::new("umount")
+            .arg(&m.mount_point)
+            .output()
+            .expect("run umount");
+        assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
+    }
+    assert!(!is_mount_point(&path));
+    w.plugin.restart();
+    let state_file = w.agent.state_path();
+    let mut state: Value =
+        serde_json::from_slice(&fs::read(&state_file).expect("the snapshot")).expect("JSON");
+    state["boot_id"] = json!("an-earlier-boot");
+    fs::write(&state_file, state.to_string()).expect("write the snapshot");
+    w.agent.spawn();
+    w.agent.wait_listening();
+    wait_until(Duration::from_secs(30), "the plugin socket", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    assert!(is_mount_point(&path), "restored");
+    assert_eq!(w.calls(), [CP, NS, NP, NS, NP]);
+    assert_eq!(w.agent.state_allocs()[&alloc]["references"], 0);
+    assert!(w
+        .agent
+        .log()
+        .contains("the node rebooted: 1 engine mount(s) restored with no reference"));
+
+    // Podman, rebooted too, counts from nothing: its first container's
+    // Mount is the one reference, its last container's Unmount releases.
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    assert!(w.agent.state_allocs()[&alloc].get("references").is_none());
+    assert_eq!(w.calls(), [CP, NS, NP, NS, NP]);
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
+    assert_eq!(w.calls(), [CP, NS, NP, NS, NP, NUP, NUS, CUP]);
+    assert!(!is_mount_point(&path));
+    assert!(w.claims().is_empty());
+}

@@ -545,6 +545,13 @@ impl Lifecycle {
         references::drop_one(&self.core, alloc_id)
     }
 
+    /// After a reboot: the allocations whose IDs start with `prefix` count
+    /// no reference (their mounts are restored all the same); how many
+    /// changed.
+    pub fn clear_references(&self, prefix: &str) -> Result<usize, StateError> {
+        references::clear(&self.core, prefix)
+    }
+
     /// The allocation's recorded reference count.
     pub fn references(&self, alloc_id: &str) -> Option<u32> {
         references::count(&self.core, alloc_id)

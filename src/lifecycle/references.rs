@@ -14,6 +14,11 @@
 //!   is not written here: the caller releases the allocation, which drops
 //!   every reference with its record.
 //!
+//! - after a reboot every reference died with the processes that held
+//!   it: the front end sets its allocations' counts to 0 (their mounts
+//!   are restored all the same), so the first Mount after the boot counts
+//!   1 and its Unmount releases.
+//!
 //! A crash between a change and its answer errs toward keeping the mount:
 //! an engine that retries a Mount adds one more reference, one that
 //! retries an Unmount finds one fewer.
@@ -34,6 +39,12 @@ pub fn drop_one(core: &Core, alloc_id: &str) -> Result<Option<u32>, StateError> 
     core.store.update(|s| Ok(drop_from(s, alloc_id)))
 }
 
+/// Sets the count of every allocation whose ID starts with `prefix` to 0
+/// (after a reboot: nothing holds a reference any more); how many changed.
+pub fn clear(core: &Core, prefix: &str) -> Result<usize, StateError> {
+    core.store.update(|s| Ok(clear_in(s, prefix)))
+}
+
 /// The allocation's count, as recorded; None when not recorded.
 pub fn count(core: &Core, alloc_id: &str) -> Option<u32> {
     core.store
@@ -51,6 +62,21 @@ fn add_to(s: &mut StateFile, alloc_id: &str) -> Option<u32> {
     let a = s.alloc_mut(alloc_id)?;
     a.references = a.references.saturating_add(1);
     Some(a.references)
+}
+
+fn clear_in(s: &mut StateFile, prefix: &str) -> usize {
+    let counted: Vec<String> = s
+        .allocs
+        .values()
+        .filter(|a| a.id.starts_with(prefix) && a.references != 0)
+        .map(|a| a.id.clone())
+        .collect();
+    for id in &counted {
+        if let Some(a) = s.alloc_mut(id) {
+            a.references = 0;
+        }
+    }
+    counted.len()
 }
 
 fn drop_from(s: &mut StateFile, alloc_id: &str) -> Option<u32> {
@@ -128,6 +154,26 @@ mod tests {
         assert_eq!(add_to(&mut s, "nosuch"), None);
         // One being released drops no reference either: its release goes on.
         s.alloc_mut("docker-a-db").expect("recorded").references = 3;
+        assert_eq!(drop_from(&mut s, "docker-a-db"), None);
+    }
+
+    #[test]
+    fn after_a_reboot_the_counts_start_from_nothing() {
+        let mut s = state(Phase::Published, false);
+        s.alloc_mut("docker-a-db").expect("recorded").references = 3;
+        let mut web = the(&s).clone();
+        web.id = "web-1".to_string();
+        s.allocs.insert("web-1".to_string(), Arc::new(web));
+        assert_eq!(clear_in(&mut s, "docker-"), 1);
+        assert_eq!(count(&s), 0);
+        assert_eq!(s.allocs.get("web-1").map(|a| a.references), Some(3));
+        assert_eq!(clear_in(&mut s, "docker-"), 0, "nothing left to change");
+        // The first Mount after the boot counts one; its Unmount is the
+        // last.
+        assert_eq!(add_to(&mut s, "docker-a-db"), Some(1));
+        assert_eq!(drop_from(&mut s, "docker-a-db"), None);
+        // An Unmount with no Mount since the boot is the last one too.
+        s.alloc_mut("docker-a-db").expect("recorded").references = 0;
         assert_eq!(drop_from(&mut s, "docker-a-db"), None);
     }
 
