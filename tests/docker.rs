@@ -1038,3 +1038,89 @@ fn after_a_reboot_the_engines_restored_mounts_count_no_reference_so_their_first_
     assert!(!is_mount_point(&path));
     assert!(w.claims().is_empty());
 }
+
+#[test]
+fn the_engine_death_rule_keeps_a_mount_whose_subdirectory_or_whose_data_in_the_hosts_namespace_is_in_use(
+) {
+    let w = World::with("subdir", json!({"unused_check_interval": "1s"}));
+    let sock = w.socket();
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    let mount = json!({"Name": "db", "ID": "5ab".repeat(20)});
+    let m = plugin_ok(&sock, "/VolumeDriver.Mount", mount);
+    let path = PathBuf::from(m["Mountpoint"].as_str().expect("a mountpoint"));
+    fs::create_dir(path.join("sub")).expect("a subdirectory");
+    let checks_in_use = || {
+        w.agent
+            .log()
+            .matches("1 engine mount(s) checked, 1 in use by a container")
+            .count()
+    };
+
+    // A container binding only a subdirectory of the volume (Docker's
+    // volume-subpath, Podman's subpath): a mount namespace of its own in
+    // which nothing but that bind shows the volume's data.
+    let holder = w.dir.mkdir("holder");
+    let ready = w.dir.path().join("ready");
+    let mounts = w.agent.config.mount_root.display().to_string();
+    let script = format!(
+        "mount --bind {sub} {holder} && for m in $(awk '$5 ~ \"^{mounts}/\" {{print $5}}' /proc/self/mountinfo | sort -r); do umount -l \"$m\"; done && touch {ready} && exec sleep 1000",
+        sub = path.join("sub").display(),
+        holder = holder.display(),
+        ready = ready.display(),
+    );
+    let mut container = ChildProcess::new("a namespace binding the subdirectory");
+    container.spawn(
+        std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .stdin(std::process::Stdio::null()),
+    );
+    wait_until(Duration::from_secs(10), "the namespace's bind", || {
+        ready.exists()
+    });
+    let before = checks_in_use();
+    wait_until(Duration::from_secs(30), "three checks", || {
+        checks_in_use() >= before + 3
+    });
+    assert_eq!(
+        w.calls(),
+        [CP, NS, NP],
+        "kept while the subdirectory is used"
+    );
+
+    // Docker 20.10 copies to and from a stopped container with the
+    // volume's data mounted in its own (the host's) namespace: a mount
+    // of it outside the agent's mount root keeps it too.
+    let archive = w.dir.mkdir("archive");
+    let _unmount = MountGuard::new(&archive);
+    let status = std::process::Command::new("mount")
+        .arg("--bind")
+        .arg(&path)
+        .arg(&archive)
+        .status()
+        .expect("run mount");
+    assert!(status.success());
+    container.kill();
+    let before = checks_in_use();
+    wait_until(Duration::from_secs(30), "three checks", || {
+        checks_in_use() >= before + 3
+    });
+    assert_eq!(
+        w.calls(),
+        [CP, NS, NP],
+        "kept while the host's namespace uses it"
+    );
+
+    // Nobody left: released.
+    let status = std::process::Command::new("umount")
+        .arg(&archive)
+        .status()
+        .expect("run umount");
+    assert!(status.success());
+    let calls = w.wait_calls(6, "the unused mount to be released");
+    assert_eq!(calls, ONE_CONTAINER);
+}
