@@ -1124,3 +1124,46 @@ fn the_engine_death_rule_keeps_a_mount_whose_subdirectory_or_whose_data_in_the_h
     let calls = w.wait_calls(6, "the unused mount to be released");
     assert_eq!(calls, ONE_CONTAINER);
 }
+
+#[test]
+fn an_unmount_answers_in_time_while_a_slow_release_goes_on_and_the_next_mount_waits_for_it() {
+    let w = World::with("slow", json!({"mount_timeout": "3s"}));
+    let sock = w.socket();
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    let mount = json!({"Name": "db", "ID": "51ow".repeat(16)});
+    let m1 = plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    w.plugin.faults().set(json!([
+        {"method": "ControllerUnpublishVolume", "action": "delay", "ms": 4500}
+    ]));
+
+    // The Unmount answers within `mount_timeout` (the engine's limit,
+    // scaled down), the release still running (ControllerUnpublish takes
+    // 4.5 s, within the CSI call's deadline).
+    let asked = std::time::Instant::now();
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount.clone());
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    assert_eq!(
+        w.calls(),
+        [CP, NS, NP, NUP, NUS],
+        "ControllerUnpublish delayed"
+    );
+    assert!(w
+        .agent
+        .log()
+        .contains("the Unmount is answered, the release goes on in the agent"));
+
+    // The engine starts the container again (Podman: the same ID): the
+    // Mount waits for the release, then mounts anew.
+    let m2 = plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    assert_eq!(m1, m2);
+    assert_eq!(w.calls(), [CP, NS, NP, NUP, NUS, CUP, CP, NS, NP]);
+    w.plugin.faults().clear();
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
+    assert_eq!(w.calls()[9..], [NUP, NUS, CUP]);
+}

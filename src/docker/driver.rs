@@ -5,13 +5,16 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use super::options::{self, Definition, OptionError};
 use super::protocol::{self as p, Endpoint};
 use super::references::Turns;
+use crate::config::docker::{
+    ENGINE_ANSWER_MARGIN, ENGINE_MOUNT_LIMIT, ENGINE_REQUEST_LIMIT, MOUNT_GIVE_UP_WAIT,
+};
 use crate::lifecycle::{
     Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
 };
@@ -24,10 +27,7 @@ pub const ALLOC_PREFIX: &str = crate::ids::ENGINE_ALLOC_PREFIX;
 /// The alias of the one volume of such an allocation.
 const ALIAS: &str = "volume";
 /// How long a Mount given up after `mount_timeout` waits for its rollback.
-const GIVE_UP_WAIT: Duration = Duration::from_secs(10);
-/// Beyond the longest Mount (`mount_timeout` and its give-up), how long a
-/// request waits for its allocation's turn.
-const TURN_MARGIN: Duration = Duration::from_secs(5);
+const GIVE_UP_WAIT: Duration = MOUNT_GIVE_UP_WAIT;
 
 /// The allocation of one mount: `docker-<ID>-<volume>`. The engine's ID is
 /// letters and digits only (Docker: 64 hex digits per container mount,
@@ -306,13 +306,19 @@ impl Driver {
 
     /// Mount: one more reference when the allocation is mounted already
     /// (Docker's `docker cp` on a running container; an engine's retry),
-    /// else the allocation is mounted. All of it in the allocation's turn.
+    /// else the allocation is mounted (after the end of a release of it
+    /// that its Unmount did not wait for). All of it in the allocation's
+    /// turn, and answered within the engine's limit: the turn's wait, then
+    /// `mount_timeout`, then a give-up's undo (the config keeps their sum
+    /// below the limit).
     fn mount(&self, name: &str, mount_id: &str) -> Result<PathBuf, DriverError> {
         let spec = self.registered(name)?.ok_or(DriverError::NotRegistered {
             name: name.to_string(),
         })?;
         let alloc = alloc_id(name, mount_id)?;
-        let _turn = self.turn(&alloc)?;
+        let turn_wait = ENGINE_MOUNT_LIMIT
+            .saturating_sub(ENGINE_ANSWER_MARGIN + self.mount_timeout + 2 * GIVE_UP_WAIT);
+        let _turn = self.turn(&alloc, turn_wait)?;
         self.turns.unmark(&alloc);
         let added =
             self.lifecycle
@@ -330,6 +336,17 @@ impl Driver {
                 .next()
                 .map(|m| m.host_path)
                 .ok_or_else(|| DriverError::Invalid("the mount answered no path".into()));
+        }
+        let deadline = Instant::now() + self.mount_timeout;
+        if self
+            .lifecycle
+            .alloc_status(&alloc)
+            .is_some_and(|a| a.releasing)
+        {
+            log::info!(
+                "volume {name}: allocation {alloc} is being released; its Mount waits for that"
+            );
+            self.lifecycle.wait_released(&alloc, self.mount_timeout);
         }
         // The engines bind read-only themselves and do not say so: a
         // volume claims read-only when it has no writable access mode.
@@ -360,7 +377,7 @@ impl Driver {
                 let _ = w.join();
             }
         };
-        let answer = rx.recv_timeout(self.mount_timeout);
+        let answer = rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
         if answer.is_ok() {
             join();
         }
@@ -405,12 +422,19 @@ impl Driver {
     }
 
     /// Unmount: one reference fewer; the last one releases the allocation
-    /// (decided in its turn, waited for outside it).
+    /// (decided in its turn, waited for outside it). Answered within
+    /// `mount_timeout` or the engine's limit, whichever is shorter: a
+    /// release still running then goes on in the agent, and a Mount of the
+    /// allocation waits for it.
     fn unmount(&self, name: &str, mount_id: &str) -> Result<(), DriverError> {
         self.check_name(name)?;
         let alloc = alloc_id(name, mount_id)?;
+        let budget = self
+            .mount_timeout
+            .min(ENGINE_REQUEST_LIMIT - ENGINE_ANSWER_MARGIN);
+        let deadline = Instant::now() + budget;
         let started = {
-            let _turn = self.turn(&alloc)?;
+            let _turn = self.turn(&alloc, budget)?;
             let left = self.lifecycle.drop_reference(&alloc).map_err(|source| {
                 DriverError::References {
                     alloc_id: alloc.clone(),
@@ -433,10 +457,11 @@ impl Driver {
             ReleaseStart::Started => {
                 // The release goes on (and is retried) in the agent whether
                 // or not it ends in time; the engine is answered either way.
-                if !self.lifecycle.wait_released(&alloc, self.mount_timeout) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !self.lifecycle.wait_released(&alloc, left) {
                     log::warn!(
-                        "volume {name}: release of allocation {alloc} still running after {:?}",
-                        self.mount_timeout
+                        "volume {name}: release of allocation {alloc} still running after {}; the Unmount is answered, the release goes on in the agent",
+                        crate::config::format_duration(budget)
                     );
                 }
                 Ok(())
@@ -444,10 +469,8 @@ impl Driver {
         }
     }
 
-    /// The allocation's turn (see `references`), waiting at most as long
-    /// as a Mount may take.
-    fn turn(&self, alloc: &str) -> Result<super::references::Turn, DriverError> {
-        let wait = self.mount_timeout + 2 * GIVE_UP_WAIT + TURN_MARGIN;
+    /// The allocation's turn (see `references`), waiting up to `wait`.
+    fn turn(&self, alloc: &str, wait: Duration) -> Result<super::references::Turn, DriverError> {
         self.turns.take(alloc, wait).ok_or(DriverError::Busy {
             alloc_id: alloc.to_string(),
             waited: wait,
