@@ -1167,3 +1167,89 @@ fn an_unmount_answers_in_time_while_a_slow_release_goes_on_and_the_next_mount_wa
     plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
     assert_eq!(w.calls()[9..], [NUP, NUS, CUP]);
 }
+
+#[test]
+fn an_agent_in_a_pid_namespace_of_its_own_keeps_every_engine_mount_and_says_why() {
+    let dir = TestDir::new();
+    // The mount root is a shared mount, so that the plugin's mounts (made
+    // in this namespace) reach the agent's namespace, a slave of it.
+    let mounts = dir.mkdir("mounts");
+    let _unmount = MountGuard::new(&mounts);
+    for args in [
+        vec![
+            "--bind",
+            mounts.to_str().expect("UTF-8"),
+            mounts.to_str().expect("UTF-8"),
+        ],
+        vec!["--make-shared", mounts.to_str().expect("UTF-8")],
+    ] {
+        let status = std::process::Command::new("mount")
+            .args(&args)
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mount {args:?}");
+    }
+    let plugin = TestPlugin::builder(dir.path()).volumes(&["ext-db"]).start();
+    let driver = format!("claimd-pidns-{}", std::process::id());
+    let sock = PathBuf::from(format!("/run/docker/plugins/{driver}.sock"));
+    let _socket = SocketFile(sock.clone());
+    let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
+    config.extra.push((
+        "docker".into(),
+        json!({"driver": driver, "unused_check_interval": "1s"}),
+    ));
+    let mut agent = Agent::prepare(dir.path(), "agent", config, false, &[]);
+    agent.wrapper = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--propagation",
+        "slave",
+    ]
+    .map(String::from)
+    .to_vec();
+    agent.spawn();
+    agent.wait_listening();
+    wait_until(Duration::from_secs(20), "the plugin to be ready", || {
+        let out = agent.cli(&["plugin", "list", "--json"]);
+        out.code == 0 && out.json()["plugins"][0]["health"] == "ready"
+    });
+    wait_until(Duration::from_secs(20), "the plugin socket", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+
+    let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
+    plugin_ok(
+        &sock,
+        "/VolumeDriver.Create",
+        json!({"Name": "db", "Opts": def}),
+    );
+    let mount = json!({"Name": "db", "ID": "9d".repeat(32)});
+    plugin_ok(&sock, "/VolumeDriver.Mount", mount.clone());
+    // No container uses it, but the agent cannot see the containers'
+    // processes: it keeps the mount, check after check.
+    let kept = || {
+        agent
+            .log()
+            .matches("1 engine mount(s) kept unchecked")
+            .count()
+    };
+    wait_until(Duration::from_secs(30), "three checks", || kept() >= 3);
+    assert!(
+        agent.log().contains(
+            "the engine-death rule keeps every engine mount: the agent runs in a PID namespace of its own and cannot see the containers' processes"
+        ),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        agent.log().matches("keeps every engine mount:").count(),
+        1,
+        "said once"
+    );
+    assert_eq!(volume_methods(&plugin.call_log()), [CP, NS, NP]);
+    plugin_ok(&sock, "/VolumeDriver.Unmount", mount);
+    assert_eq!(volume_methods(&plugin.call_log()), ONE_CONTAINER);
+}

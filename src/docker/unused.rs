@@ -231,6 +231,10 @@ fn check(lifecycle: &Lifecycle, turns: &Turns, blind: &mut Option<String>) {
                 log::warn!("docker: the engine-death rule keeps every engine mount: {why}");
                 *blind = Some(why);
             }
+            log::debug!(
+                "docker: {} engine mount(s) kept unchecked: the rule cannot see",
+                mounts.len()
+            );
             return;
         }
         Ok((
