@@ -384,6 +384,14 @@ impl Driver {
         match answer {
             Ok(Ok(mounted)) => {
                 let path = mounted.into_iter().next().map(|m| m.host_path);
+                // Counted 0 (restored after a reboot, its restore unfinished
+                // until now): this Mount holds its one reference.
+                self.lifecycle.hold_reference(&alloc).map_err(|source| {
+                    DriverError::References {
+                        alloc_id: alloc.clone(),
+                        source,
+                    }
+                })?;
                 log::info!("volume {name} mounted for allocation {alloc}");
                 path.ok_or_else(|| DriverError::Invalid("the mount answered no path".into()))
             }

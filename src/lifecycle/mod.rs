@@ -545,6 +545,12 @@ impl Lifecycle {
         references::drop_one(&self.core, alloc_id)
     }
 
+    /// A front end's Mount that mounted the allocation is answered: it
+    /// counts at least one reference (durable when this returns).
+    pub fn hold_reference(&self, alloc_id: &str) -> Result<(), StateError> {
+        references::hold(&self.core, alloc_id)
+    }
+
     /// After a reboot: the allocations whose IDs start with `prefix` count
     /// no reference (their mounts are restored all the same); how many
     /// changed.

@@ -17,7 +17,11 @@
 //! - after a reboot every reference died with the processes that held
 //!   it: the front end sets its allocations' counts to 0 (their mounts
 //!   are restored all the same), so the first Mount after the boot counts
-//!   1 and its Unmount releases.
+//!   1 and its Unmount releases;
+//! - a Mount answered holds a reference: one that mounted (or finished
+//!   mounting) an allocation counted 0 sets it to 1 before its answer.
+//!   Else a second Mount would count 1 and its Unmount release what the
+//!   first still uses.
 //!
 //! A crash between a change and its answer errs toward keeping the mount:
 //! an engine that retries a Mount adds one more reference, one that
@@ -37,6 +41,15 @@ pub fn add(core: &Core, alloc_id: &str) -> Result<Option<u32>, StateError> {
 /// being released already): nothing written, release it.
 pub fn drop_one(core: &Core, alloc_id: &str) -> Result<Option<u32>, StateError> {
     core.store.update(|s| Ok(drop_from(s, alloc_id)))
+}
+
+/// Makes the allocation count at least one reference (a Mount that
+/// mounted it is answered); nothing written when it does already.
+pub fn hold(core: &Core, alloc_id: &str) -> Result<(), StateError> {
+    core.store.update(|s| {
+        hold_in(s, alloc_id);
+        Ok(())
+    })
 }
 
 /// Sets the count of every allocation whose ID starts with `prefix` to 0
@@ -62,6 +75,19 @@ fn add_to(s: &mut StateFile, alloc_id: &str) -> Option<u32> {
     let a = s.alloc_mut(alloc_id)?;
     a.references = a.references.saturating_add(1);
     Some(a.references)
+}
+
+fn hold_in(s: &mut StateFile, alloc_id: &str) -> bool {
+    let unheld = s
+        .allocs
+        .get(alloc_id)
+        .is_some_and(|a| !a.releasing && a.references == 0);
+    if unheld {
+        if let Some(a) = s.alloc_mut(alloc_id) {
+            a.references = 1;
+        }
+    }
+    unheld
 }
 
 fn clear_in(s: &mut StateFile, prefix: &str) -> usize {
@@ -175,6 +201,18 @@ mod tests {
         // An Unmount with no Mount since the boot is the last one too.
         s.alloc_mut("docker-a-db").expect("recorded").references = 0;
         assert_eq!(drop_from(&mut s, "docker-a-db"), None);
+        // A Mount that mounts it (its restore unfinished) holds one: a
+        // second Mount's Unmount then leaves it mounted.
+        assert!(hold_in(&mut s, "docker-a-db"));
+        assert_eq!(count(&s), 1);
+        assert_eq!(add_to(&mut s, "docker-a-db"), Some(2));
+        assert_eq!(drop_from(&mut s, "docker-a-db"), Some(1));
+        assert!(!hold_in(&mut s, "docker-a-db"), "held already: unchanged");
+        assert_eq!(count(&s), 1);
+        assert!(!hold_in(&mut s, "nosuch"));
+        s.alloc_mut("docker-a-db").expect("recorded").references = 0;
+        s.alloc_mut("docker-a-db").expect("recorded").releasing = true;
+        assert!(!hold_in(&mut s, "docker-a-db"), "being released");
     }
 
     #[test]
