@@ -7,6 +7,25 @@ use std::fmt;
 /// Longest accepted ID, in bytes.
 pub const MAX_ID_LEN: usize = 128;
 
+/// Allocation IDs starting with this belong to the container engines'
+/// mounts (the Docker volume plugin protocol, `docker`): only that front
+/// end makes them, and its engine-death rule releases them.
+pub const ENGINE_ALLOC_PREFIX: &str = "docker-";
+
+/// An allocation ID that an operator or orchestrator may mount through the
+/// local API: a valid ID outside the engines' prefix.
+pub fn check_api_alloc_id(id: &str) -> Result<(), InvalidId> {
+    check_id("allocation", id)?;
+    if id.starts_with(ENGINE_ALLOC_PREFIX) {
+        return Err(InvalidId {
+            kind: "allocation",
+            id: id.to_string(),
+            problem: "starts with docker-, which is reserved for the mounts of Docker and Podman containers (the Docker volume plugin protocol); choose another ID",
+        });
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidId {
     pub kind: &'static str,
@@ -75,5 +94,17 @@ mod tests {
             assert!(e.to_string().starts_with("invalid volume ID"), "{e}");
         }
         assert!(check_id("volume", &"a".repeat(MAX_ID_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn the_engines_prefix_is_theirs() {
+        assert!(check_api_alloc_id("web-1").is_ok());
+        assert!(check_api_alloc_id("my-docker-x").is_ok());
+        let e = check_api_alloc_id("docker-x").expect_err("reserved");
+        assert_eq!(
+            e.to_string(),
+            "invalid allocation ID \"docker-x\": starts with docker-, which is reserved for the mounts of Docker and Podman containers (the Docker volume plugin protocol); choose another ID"
+        );
+        assert!(check_api_alloc_id("../x").is_err());
     }
 }

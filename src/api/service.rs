@@ -232,6 +232,8 @@ impl grpc::Claimd for Service {
         sink: UnarySink<w::MountAllocResponse>,
     ) {
         self.run(&ctx, "mount", sink, move |s| {
+            crate::ids::check_api_alloc_id(&req.alloc_id)
+                .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e.to_string()))?;
             let reqs: Vec<VolumeRequest> = req
                 .volumes
                 .iter()

@@ -10,7 +10,27 @@ use serde::Deserialize;
 use super::{check_abs, parse_duration, ConfigError};
 
 pub const DEFAULT_DOCKER_DRIVER: &str = "claimd";
-pub const DEFAULT_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(100);
+pub const DEFAULT_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(90);
+/// Docker's own limit on a Create or Mount request (moby
+/// volume/drivers/proxy.go, `longTimeout`); Podman's is its
+/// `volume_plugin_timeout` (5 s unless set: set it to 120).
+pub const ENGINE_MOUNT_LIMIT: Duration = Duration::from_secs(120);
+/// Docker's limit on every other request (`shortTimeout`): Unmount, Get,
+/// Path, List, Remove.
+pub const ENGINE_REQUEST_LIMIT: Duration = Duration::from_secs(60);
+/// What an answer keeps in hand below the engine's limit (the request's
+/// own work around its waits).
+pub const ENGINE_ANSWER_MARGIN: Duration = Duration::from_secs(5);
+/// How long a Mount given up after `mount_timeout` waits for its thread,
+/// and then for the release of what it claimed (each).
+pub const MOUNT_GIVE_UP_WAIT: Duration = Duration::from_secs(10);
+/// The longest `mount_timeout` whose Mount, given up and undone, still
+/// answers within ENGINE_MOUNT_LIMIT.
+pub const MAX_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(
+    ENGINE_MOUNT_LIMIT.as_secs()
+        - ENGINE_ANSWER_MARGIN.as_secs()
+        - 2 * MOUNT_GIVE_UP_WAIT.as_secs(),
+);
 pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,7 +40,8 @@ pub struct DockerConfig {
     /// Default `/run/docker/plugins/<driver>.sock`, where Docker looks.
     pub socket: PathBuf,
     /// How long a Mount may wait (a held claim, a plugin) before it is
-    /// given up; below Docker's own 2-minute request timeout.
+    /// given up; at most MAX_DOCKER_MOUNT_TIMEOUT, so that a given-up
+    /// Mount's answer comes within Docker's own 2-minute limit.
     pub mount_timeout: Duration,
     /// Period of the engine-death rule: engine mounts no container uses at
     /// two checks in a row are released.
@@ -62,13 +83,25 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
         .socket
         .unwrap_or_else(|| PathBuf::from(format!("/run/docker/plugins/{driver}.sock")));
     check_abs(&socket).map_err(|e| field_err("socket", e))?;
+    let mount_timeout = dur(
+        "mount_timeout",
+        d.mount_timeout,
+        DEFAULT_DOCKER_MOUNT_TIMEOUT,
+    )?;
+    if mount_timeout > MAX_DOCKER_MOUNT_TIMEOUT {
+        return Err(field_err(
+            "mount_timeout",
+            format!(
+                "must be at most {}: a Mount given up is undone within {} more, and Docker gives up on a Mount after {} (Podman after its volume_plugin_timeout)",
+                super::format_duration(MAX_DOCKER_MOUNT_TIMEOUT),
+                super::format_duration(2 * MOUNT_GIVE_UP_WAIT + ENGINE_ANSWER_MARGIN),
+                super::format_duration(ENGINE_MOUNT_LIMIT)
+            ),
+        ));
+    }
     Ok(Some(DockerConfig {
         socket,
-        mount_timeout: dur(
-            "mount_timeout",
-            d.mount_timeout,
-            DEFAULT_DOCKER_MOUNT_TIMEOUT,
-        )?,
+        mount_timeout,
         unused_check_interval: dur(
             "unused_check_interval",
             d.unused_check_interval,
@@ -99,7 +132,7 @@ mod tests {
             .expect("a docker section");
         assert_eq!(d.driver, "claimd");
         assert_eq!(d.socket, Path::new("/run/docker/plugins/claimd.sock"));
-        assert_eq!(d.mount_timeout, Duration::from_secs(100));
+        assert_eq!(d.mount_timeout, Duration::from_secs(90));
         assert_eq!(d.unused_check_interval, Duration::from_secs(30));
         let d = parse(
             r#"{"docker": {"driver": "csi", "socket": "/run/claimd/docker.sock",
@@ -120,6 +153,10 @@ mod tests {
             (
                 r#"{"docker": {"mount_timeout": "0s"}}"#,
                 "field docker.mount_timeout",
+            ),
+            (
+                r#"{"docker": {"mount_timeout": "96s"}}"#,
+                "field docker.mount_timeout: must be at most 95s: a Mount given up is undone within 25s more, and Docker gives up on a Mount after 2m",
             ),
             (r#"{"docker": {"bogus": 1}}"#, "bogus"),
         ] {

@@ -5,29 +5,35 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use super::options::{self, Definition, OptionError};
 use super::protocol::{self as p, Endpoint};
+use super::references::Turns;
+use crate::config::docker::{
+    ENGINE_ANSWER_MARGIN, ENGINE_MOUNT_LIMIT, ENGINE_REQUEST_LIMIT, MOUNT_GIVE_UP_WAIT,
+};
 use crate::lifecycle::{
     Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
 };
-use crate::state::Phase;
+use crate::state::{Phase, StateError};
 use crate::volumes::{VolumeRequest, VolumeSpec};
 
-/// Every allocation of a Docker or Podman mount starts with this.
-pub const ALLOC_PREFIX: &str = "docker-";
+/// Every allocation of a Docker or Podman mount starts with this (the local
+/// API refuses it).
+pub const ALLOC_PREFIX: &str = crate::ids::ENGINE_ALLOC_PREFIX;
 /// The alias of the one volume of such an allocation.
 const ALIAS: &str = "volume";
 /// How long a Mount given up after `mount_timeout` waits for its rollback.
-const GIVE_UP_WAIT: Duration = Duration::from_secs(10);
+const GIVE_UP_WAIT: Duration = MOUNT_GIVE_UP_WAIT;
 
 /// The allocation of one mount: `docker-<ID>-<volume>`. The engine's ID is
-/// letters and digits only (Docker: 64 hex digits per mount; Podman: the
-/// container's ID), so no ID reaches outside its directory, and the result
-/// is checked as every allocation ID is. A volume name too long for the
+/// letters and digits only (Docker: 64 hex digits per container mount,
+/// kept while the container runs; Podman: one constant ID for every
+/// mount), so no ID reaches outside its directory, and the result is
+/// checked as every allocation ID is. A volume name too long for the
 /// 128 bytes of an allocation ID is cut, and a hash of the whole name
 /// (FNV-1a, 64 bits) keeps the cut names apart.
 pub fn alloc_id(volume: &str, mount_id: &str) -> Result<String, DriverError> {
@@ -90,6 +96,14 @@ pub enum DriverError {
         waiting: String,
     },
     Release(ReleaseError),
+    References {
+        alloc_id: String,
+        source: StateError,
+    },
+    Busy {
+        alloc_id: String,
+        waited: Duration,
+    },
 }
 
 impl fmt::Display for DriverError {
@@ -128,6 +142,14 @@ impl fmt::Display for DriverError {
                 f.write_str("; nothing is left claimed, try again later")
             }
             DriverError::Release(e) => e.fmt(f),
+            DriverError::References { alloc_id, .. } => {
+                write!(f, "the mount count of allocation {alloc_id} could not be recorded")
+            }
+            DriverError::Busy { alloc_id, waited } => write!(
+                f,
+                "another request for allocation {alloc_id} is still running after {}",
+                crate::config::format_duration(*waited)
+            ),
         }
     }
 }
@@ -141,6 +163,7 @@ impl std::error::Error for DriverError {
             DriverError::Create(e) => e.source(),
             DriverError::Mount(e) => e.source(),
             DriverError::Release(e) => e.source(),
+            DriverError::References { source, .. } => Some(source),
             _ => None,
         }
     }
@@ -157,6 +180,9 @@ pub struct Driver {
     /// Cluster mode: volumes are `global` (seen by every node's engine).
     pub cluster: bool,
     pub mount_timeout: Duration,
+    /// Whose turn it is to decide about an engine mount's references
+    /// (shared with the engine-death rule).
+    pub turns: Turns,
 }
 
 impl Driver {
@@ -278,11 +304,50 @@ impl Driver {
         Ok(())
     }
 
+    /// Mount: one more reference when the allocation is mounted already
+    /// (Docker's `docker cp` on a running container; an engine's retry),
+    /// else the allocation is mounted (after the end of a release of it
+    /// that its Unmount did not wait for). All of it in the allocation's
+    /// turn, and answered within the engine's limit: the turn's wait, then
+    /// `mount_timeout`, then a give-up's undo (the config keeps their sum
+    /// below the limit).
     fn mount(&self, name: &str, mount_id: &str) -> Result<PathBuf, DriverError> {
         let spec = self.registered(name)?.ok_or(DriverError::NotRegistered {
             name: name.to_string(),
         })?;
         let alloc = alloc_id(name, mount_id)?;
+        let turn_wait = ENGINE_MOUNT_LIMIT
+            .saturating_sub(ENGINE_ANSWER_MARGIN + self.mount_timeout + 2 * GIVE_UP_WAIT);
+        let _turn = self.turn(&alloc, turn_wait)?;
+        self.turns.unmark(&alloc);
+        let added =
+            self.lifecycle
+                .add_reference(&alloc)
+                .map_err(|source| DriverError::References {
+                    alloc_id: alloc.clone(),
+                    source,
+                })?;
+        if let Some(n) = added {
+            log::info!("volume {name}: allocation {alloc} mounted again, {n} references");
+            return self
+                .lifecycle
+                .mounted(&alloc)
+                .into_iter()
+                .next()
+                .map(|m| m.host_path)
+                .ok_or_else(|| DriverError::Invalid("the mount answered no path".into()));
+        }
+        let deadline = Instant::now() + self.mount_timeout;
+        if self
+            .lifecycle
+            .alloc_status(&alloc)
+            .is_some_and(|a| a.releasing)
+        {
+            log::info!(
+                "volume {name}: allocation {alloc} is being released; its Mount waits for that"
+            );
+            self.lifecycle.wait_released(&alloc, self.mount_timeout);
+        }
         // The engines bind read-only themselves and do not say so: a
         // volume claims read-only when it has no writable access mode.
         let read_only = spec.access_modes.iter().all(|m| m.reader_only());
@@ -312,13 +377,21 @@ impl Driver {
                 let _ = w.join();
             }
         };
-        let answer = rx.recv_timeout(self.mount_timeout);
+        let answer = rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
         if answer.is_ok() {
             join();
         }
         match answer {
             Ok(Ok(mounted)) => {
                 let path = mounted.into_iter().next().map(|m| m.host_path);
+                // Counted 0 (restored after a reboot, its restore unfinished
+                // until now): this Mount holds its one reference.
+                self.lifecycle.hold_reference(&alloc).map_err(|source| {
+                    DriverError::References {
+                        alloc_id: alloc.clone(),
+                        source,
+                    }
+                })?;
                 log::info!("volume {name} mounted for allocation {alloc}");
                 path.ok_or_else(|| DriverError::Invalid("the mount answered no path".into()))
             }
@@ -356,27 +429,60 @@ impl Driver {
         }
     }
 
+    /// Unmount: one reference fewer; the last one releases the allocation
+    /// (decided in its turn, waited for outside it). Answered within
+    /// `mount_timeout` or the engine's limit, whichever is shorter: a
+    /// release still running then goes on in the agent, and a Mount of the
+    /// allocation waits for it.
     fn unmount(&self, name: &str, mount_id: &str) -> Result<(), DriverError> {
         self.check_name(name)?;
         let alloc = alloc_id(name, mount_id)?;
-        match self
-            .lifecycle
-            .release(&alloc)
-            .map_err(DriverError::Release)?
-        {
+        let budget = self
+            .mount_timeout
+            .min(ENGINE_REQUEST_LIMIT - ENGINE_ANSWER_MARGIN);
+        let deadline = Instant::now() + budget;
+        let started = {
+            let _turn = self.turn(&alloc, budget)?;
+            let left = self.lifecycle.drop_reference(&alloc).map_err(|source| {
+                DriverError::References {
+                    alloc_id: alloc.clone(),
+                    source,
+                }
+            })?;
+            if let Some(n) = left {
+                log::info!(
+                    "volume {name}: allocation {alloc} unmounted once, {n} reference(s) left: kept mounted"
+                );
+                return Ok(());
+            }
+            self.turns.unmark(&alloc);
+            self.lifecycle
+                .release(&alloc)
+                .map_err(DriverError::Release)?
+        };
+        match started {
             ReleaseStart::NotFound => Ok(()),
             ReleaseStart::Started => {
                 // The release goes on (and is retried) in the agent whether
                 // or not it ends in time; the engine is answered either way.
-                if !self.lifecycle.wait_released(&alloc, self.mount_timeout) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !self.lifecycle.wait_released(&alloc, left) {
                     log::warn!(
-                        "volume {name}: release of allocation {alloc} still running after {:?}",
-                        self.mount_timeout
+                        "volume {name}: release of allocation {alloc} still running after {}; the Unmount is answered, the release goes on in the agent",
+                        crate::config::format_duration(budget)
                     );
                 }
                 Ok(())
             }
         }
+    }
+
+    /// The allocation's turn (see `references`), waiting up to `wait`.
+    fn turn(&self, alloc: &str, wait: Duration) -> Result<super::references::Turn, DriverError> {
+        self.turns.take(alloc, wait).ok_or(DriverError::Busy {
+            alloc_id: alloc.to_string(),
+            waited: wait,
+        })
     }
 
     /// This node's mounts of `name` by the engines.
@@ -425,7 +531,8 @@ impl Driver {
             .iter()
             .map(|m| {
                 json!({"allocation": m.alloc_id, "mount_id": m.mount_id,
-                       "path": m.path, "read_only": m.read_only})
+                       "path": m.path, "read_only": m.read_only,
+                       "references": self.lifecycle.references(&m.alloc_id).unwrap_or(1)})
             })
             .collect();
         let status = json!({

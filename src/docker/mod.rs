@@ -3,20 +3,33 @@
 //! requests and answers on the wire (`protocol`), what `Create`'s options
 //! mean (`options`), and each request turned into calls of the same
 //! [`Lifecycle`](crate::lifecycle::Lifecycle) facade the local API uses
-//! (`driver`), and the engine-death rule (`unused`: mounts no container
-//! uses any more are released). No lifecycle logic lives here.
+//! (`driver`), whose turn it is to decide about an engine mount
+//! (`references`), and the engine-death rule (`unused`: mounts no
+//! container uses any more are released). No lifecycle logic lives here.
 //!
 //! One allocation per mount ID: `Mount {Name, ID}` mounts volume `Name`
-//! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), so each
-//! container holds its own claim and its own target path, and the
+//! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), and the
 //! volume's staging is shared on the node as for any two allocations.
-//! `Unmount` releases that allocation. The access modes therefore read
-//! per container: a single-writer volume admits one writing container,
-//! `single-node-multi-writer` several on one node.
+//! The IDs the engines send (read in their sources):
+//! - Docker: a random ID per container mount, kept while the container
+//!   runs and sent again with Mount and Unmount around `docker cp` (and
+//!   the archive reads behind it) of a running container; so each
+//!   container holds its own claim and target path, and the access modes
+//!   read per container.
+//! - Podman: one constant ID (libpod's `pseudoCtrID`) for every mount of
+//!   every volume; Podman counts its containers' mounts itself and sends
+//!   Mount for the first and Unmount after the last. Its containers share
+//!   one allocation per volume per node, and the access modes read per
+//!   node.
+//!
+//! So the allocation counts references, durably in its record: a Mount of
+//! an allocation that is mounted adds one and answers the same path; an
+//! Unmount drops one and releases the allocation at the last.
 
 mod driver;
 mod options;
 mod protocol;
+mod references;
 mod server;
 mod unused;
 

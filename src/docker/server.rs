@@ -42,8 +42,24 @@ pub fn start(
             path: socket.clone(),
             reason: e.to_string(),
         })?;
+    if lifecycle.store().rebooted() {
+        // The containers that held references died with the kernel; their
+        // engines start them again with Mounts that count from nothing.
+        match lifecycle.clear_references(super::ALLOC_PREFIX) {
+            Ok(0) => {}
+            Ok(n) => log::info!(
+                "docker: the node rebooted: {n} engine mount(s) restored with no reference; the engines' next Mounts count again"
+            ),
+            Err(e) => log::warn!(
+                "docker: the node rebooted, but the engine mounts' counts could not be cleared (kept: the engine-death rule releases what no container uses): {}",
+                crate::error_chain(&e)
+            ),
+        }
+    }
+    let turns = super::references::Turns::default();
     super::unused::start(
         lifecycle.clone(),
+        turns.clone(),
         config.unused_check_interval,
         threads,
         stop.clone(),
@@ -53,6 +69,7 @@ pub fn start(
         lifecycle,
         cluster,
         mount_timeout: config.mount_timeout,
+        turns,
     };
     log::info!(
         "Docker volume plugin {} listening on {}",

@@ -11,6 +11,7 @@
 //!
 //! Files: `mount`, `release`, `restore` (each reads top-down like the steps
 //! it does), `core` (what they share), `progress` (in-memory progress),
+//! `references` (the count of a front end's mounts of an allocation),
 //! `status` (what `alloc status` shows), `error`.
 
 mod controller_ops;
@@ -21,6 +22,7 @@ mod mount;
 mod placement;
 mod plan;
 mod progress;
+mod references;
 mod release;
 mod restore;
 mod snapshots;
@@ -51,7 +53,7 @@ pub use volume_ops::Expansion;
 use crate::claims::{Claim, ClaimState, ClaimStore, ControllerHostRecord, NodeDetach};
 use crate::plugins::Registry;
 use crate::shutdown::Shutdown;
-use crate::state::StateStore;
+use crate::state::{StateError, StateStore};
 use crate::threads::Threads;
 use crate::volumes::lock::OperationLocks;
 use crate::volumes::{Paths, SpecError, VolumeCreate, VolumeRequest, VolumeSpec};
@@ -526,6 +528,39 @@ impl Lifecycle {
     /// The host paths of a mounted allocation.
     pub fn mounted(&self, alloc_id: &str) -> Vec<MountedVolume> {
         mount::mounted(&self.core, alloc_id)
+    }
+
+    /// One more reference to a mounted allocation (a front end's second
+    /// Mount of it), durable when this returns; the new count. None: not
+    /// recorded, not mounted yet or being released (nothing written): mount
+    /// it. See `references`.
+    pub fn add_reference(&self, alloc_id: &str) -> Result<Option<u32>, StateError> {
+        references::add(&self.core, alloc_id)
+    }
+
+    /// One reference fewer (a front end's Unmount), durable when this
+    /// returns; the count left. None: it was the last one (nothing
+    /// written): release the allocation, which drops every reference.
+    pub fn drop_reference(&self, alloc_id: &str) -> Result<Option<u32>, StateError> {
+        references::drop_one(&self.core, alloc_id)
+    }
+
+    /// A front end's Mount that mounted the allocation is answered: it
+    /// counts at least one reference (durable when this returns).
+    pub fn hold_reference(&self, alloc_id: &str) -> Result<(), StateError> {
+        references::hold(&self.core, alloc_id)
+    }
+
+    /// After a reboot: the allocations whose IDs start with `prefix` count
+    /// no reference (their mounts are restored all the same); how many
+    /// changed.
+    pub fn clear_references(&self, prefix: &str) -> Result<usize, StateError> {
+        references::clear(&self.core, prefix)
+    }
+
+    /// The allocation's recorded reference count.
+    pub fn references(&self, alloc_id: &str) -> Option<u32> {
+        references::count(&self.core, alloc_id)
     }
 
     /// Starts releasing every volume of `alloc_id`, one worker per volume.

@@ -174,6 +174,7 @@ fn record_intent(
                 Arc::new(AllocRecord {
                     id: alloc_id.to_string(),
                     releasing: false,
+                    references: 1,
                     volumes: volumes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect(),
                 }),
             );

@@ -152,6 +152,7 @@ mod tests {
         Arc::new(AllocRecord {
             id: id.into(),
             releasing: false,
+            references: 1,
             volumes: vols.into_iter().map(|v| (v.alias.clone(), v)).collect(),
         })
     }

@@ -55,12 +55,18 @@ pub struct Delta {
     pub alloc_changes: BTreeMap<String, AllocChange>,
 }
 
-/// What changed inside one allocation: its releasing flag (always given)
-/// and the volume records that changed.
-#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+/// What changed inside one allocation: its releasing flag (always given),
+/// its reference count (given when not 1, as in the record) and the volume
+/// records that changed.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AllocChange {
     pub releasing: bool,
+    #[serde(
+        default = "super::model::one_reference",
+        skip_serializing_if = "super::model::is_one_reference"
+    )]
+    pub references: u32,
     /// Alias -> new volume record, or null when dropped.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub volumes: BTreeMap<String, Option<Arc<AllocVolume>>>,
@@ -135,6 +141,7 @@ impl Delta {
                 (Some(o), Some(n)) if o.id == n.id => {
                     let mut c = AllocChange {
                         releasing: n.releasing,
+                        references: n.references,
                         volumes: BTreeMap::new(),
                     };
                     diff_maps(&o.volumes, &n.volumes, |alias, v| {
@@ -189,6 +196,7 @@ impl Delta {
                 continue;
             };
             a.releasing = c.releasing;
+            a.references = c.references;
             for (alias, v) in c.volumes {
                 match v {
                     Some(v) => a.volumes.insert(alias, v),
@@ -345,6 +353,7 @@ mod tests {
         Arc::new(AllocRecord {
             id: id.into(),
             releasing: false,
+            references: 1,
             volumes: [("data".to_string(), Arc::new(v))].into(),
         })
     }
@@ -391,6 +400,28 @@ mod tests {
         }
         assert_eq!(again, new);
         assert!(Delta::between(&new, &new.clone()).is_empty());
+    }
+
+    /// A reference count is written in a change of an allocation that
+    /// stays, only when it is not 1, and replays either way.
+    #[test]
+    fn a_changed_reference_count_replays() {
+        let mut old = StateFile::new("b");
+        old.allocs
+            .insert("a1".into(), alloc("a1", Phase::Published));
+        for (from, to) in [(1, 2), (2, 3), (3, 1), (1, 0)] {
+            old.alloc_mut("a1").expect("a1").references = from;
+            let mut new = old.clone();
+            new.alloc_mut("a1").expect("a1").references = to;
+            let line = encode(&Delta::between(&old, &new)).expect("encode");
+            let text = String::from_utf8_lossy(&line).into_owned();
+            assert_eq!(text.contains("\"references\""), to != 1, "{text}");
+            let mut replayed = old.clone();
+            for d in parse(&line).expect("parse").deltas {
+                d.apply(&mut replayed);
+            }
+            assert_eq!(replayed, new, "{from} -> {to}");
+        }
     }
 
     #[test]

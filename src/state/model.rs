@@ -193,9 +193,25 @@ pub struct AllocRecord {
     /// every volume goes down, whatever its phase.
     #[serde(default)]
     pub releasing: bool,
+    /// How many mounts of the allocation its front end counts (the Docker
+    /// volume plugin protocol: one per Mount not yet unmounted, see
+    /// `lifecycle::references`); 1 for every other allocation. Written only
+    /// when above 1: a record without it (every record written before
+    /// counting, and most after) reads as 1, and a claimd from before
+    /// counting still reads a state with no shared mount.
+    #[serde(default = "one_reference", skip_serializing_if = "is_one_reference")]
+    pub references: u32,
     /// Alias -> volume. Shared like the records above it, so changing one
     /// volume of a large allocation copies pointers, not its other volumes.
     pub volumes: BTreeMap<String, Arc<AllocVolume>>,
+}
+
+pub(super) fn one_reference() -> u32 {
+    1
+}
+
+pub(super) fn is_one_reference(n: &u32) -> bool {
+    *n == 1
 }
 
 /// (volume ID, allocation ID): the key of a claim.

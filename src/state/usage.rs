@@ -146,6 +146,7 @@ mod tests {
                 Arc::new(AllocRecord {
                     id: alloc.to_string(),
                     releasing: false,
+                    references: 1,
                     volumes: [(v.alias.clone(), Arc::new(v))].into(),
                 }),
             );

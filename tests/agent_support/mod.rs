@@ -317,6 +317,8 @@ pub struct Agent {
     pub dev: bool,
     /// Extra environment of the agent process.
     pub envs: Vec<(String, String)>,
+    /// A command the agent runs under (`unshare ...`); empty: none.
+    pub wrapper: Vec<String>,
     process: ChildProcess,
 }
 
@@ -361,6 +363,7 @@ impl Agent {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            wrapper: Vec::new(),
             process: ChildProcess::new("the agent"),
         }
     }
@@ -372,7 +375,14 @@ impl Agent {
             .append(true)
             .open(&self.log_path)
             .expect("open the agent's log");
-        let mut cmd = Command::new(CLAIMD);
+        let mut cmd = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(CLAIMD);
+                c
+            }
+            None => Command::new(CLAIMD),
+        };
         cmd.arg("agent").arg("--config").arg(&self.config_path);
         if self.dev {
             cmd.arg("--dev");

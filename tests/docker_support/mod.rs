@@ -346,6 +346,15 @@ impl Podman {
         args.extend(["-v", &spec, IMAGE, "sh", "-c", script]);
         self.podman(&args)
     }
+
+    /// The same, detached, as container `name`.
+    pub fn start_container(&self, name: &str, volume: &str, script: &str) -> Out {
+        let spec = format!("{volume}:/data");
+        let mut args = vec!["run", "-d", "--name", name];
+        args.extend(RUN_FLAGS);
+        args.extend(["-v", &spec, IMAGE, "sh", "-c", script]);
+        self.podman(&args)
+    }
 }
 
 impl Drop for Podman {
