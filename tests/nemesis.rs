@@ -70,6 +70,15 @@ use serde_json::{json, Value};
 /// after the cluster had freed its claims) and passes now. A long run
 /// takes `NEMESIS_SEED=random` and a larger `NEMESIS_SECONDS`; a seed that
 /// fails becomes the default, or a test of its own.
+///
+/// Named cases (issue 41), run with `NEMESIS_SECONDS=120`: seed 657716
+/// found, once on f62dff5 (a rerun there was clean), a staging and an
+/// attachment left on a node by a last holder that had not set them up,
+/// and a take that landed after its mount was rolled back (each now has a
+/// deterministic test: tests/lifecycle.rs, tests/cluster_regress.rs);
+/// seed 257714 panicked in the harness when an etcd member did not serve
+/// again after a leader kill (now an infrastructure fault in the summary).
+/// Rerun once each on 3eaf0e8: 0 violations, no infrastructure fault.
 const DEFAULT_SEED: u64 = 2;
 const DEFAULT_SECONDS: u64 = 40;
 const NODES: [&str; 3] = ["a", "b", "c"];
