@@ -58,19 +58,6 @@ fn log_since(n: &Node, from: usize) -> String {
     n.agent.log().get(from..).unwrap_or_default().to_string()
 }
 
-/// Unmounts every mount of the node (targets first): the mounts vanished
-/// while the agent was down (an operator's umount, a plugin's cleanup).
-fn unmount_everything(n: &Node) {
-    for m in n.mounts().iter().rev() {
-        let out = std::process::Command::new("umount")
-            .arg(&m.mount_point)
-            .output()
-            .expect("run umount");
-        assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
-    }
-    assert!(n.mounts().is_empty(), "{:?}", n.mounts());
-}
-
 /// An operator frees `alloc`'s claim of v from node `by` (the holder's
 /// node is gone): the claim goes, with a `freed/` note.
 fn free_by_hand(c: &Cluster, by: &str, alloc: &str) {
@@ -103,7 +90,7 @@ fn defect_3_a_restore_stages_nothing_for_a_claim_the_cluster_freed() {
     c.add_volume(&volume());
     c.node("a").mount_ok("p1", "data=v");
     c.node_mut("a").agent.kill();
-    unmount_everything(c.node("a"));
+    c.node("a").unmount_all();
     c.wait_gone("a");
     free_by_hand(&c, "b", "p1");
     c.node("b").mount_ok("q1", "data=v");

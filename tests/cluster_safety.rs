@@ -685,13 +685,7 @@ fn the_epoch_survives_a_restart_and_reaches_the_restores_calls() {
         .create_revision;
     let a = c.node_mut("a");
     a.agent.kill();
-    for m in a.mounts().iter().rev() {
-        let out = std::process::Command::new("umount")
-            .arg(&m.mount_point)
-            .output()
-            .expect("run umount");
-        assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
-    }
+    a.unmount_all();
     a.agent.spawn();
     a.agent.wait_listening();
     wait_until(SHOW_TIMEOUT, "the restore to publish p1 again", || {

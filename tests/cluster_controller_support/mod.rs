@@ -330,6 +330,20 @@ impl Node {
     }
 
     /// The mounts under this node's mount root (targets and stagings).
+    /// Unmounts every mount of the node (targets first): mounts that
+    /// vanished while the agent was down (an operator's umount, a plugin's
+    /// cleanup, a reboot).
+    pub fn unmount_all(&self) {
+        for m in self.mounts().iter().rev() {
+            let out = std::process::Command::new("umount")
+                .arg(&m.mount_point)
+                .output()
+                .expect("run umount");
+            assert!(out.status.success(), "umount {:?}: {out:?}", m.mount_point);
+        }
+        assert!(self.mounts().is_empty(), "{:?}", self.mounts());
+    }
+
     pub fn mounts(&self) -> Vec<MountEntry> {
         mounts_under(&self.mount_root())
     }

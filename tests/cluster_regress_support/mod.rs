@@ -238,20 +238,10 @@ fn pump_requests(mut from: TcpStream, mut to: TcpStream, st: &DelayState) {
             thread::sleep(PUMP_TICK);
             continue;
         }
-        let keeping = st.requests_kept.load(Ordering::SeqCst);
-        if !keeping && was_keeping {
-            let Some(a) = release(&mut kept, &frames, ahead, kept_streams.is_empty(), &mut to)
-            else {
-                break;
-            };
-            ahead = a;
-            preface_kept = false;
-        }
-        was_keeping = keeping;
         let n = match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => 0,
             Err(_) => break,
         };
         // As of now, not of before the read: a request that came after
@@ -266,6 +256,9 @@ fn pump_requests(mut from: TcpStream, mut to: TcpStream, st: &DelayState) {
             preface_kept = false;
         }
         was_keeping = keeping;
+        if n == 0 {
+            continue;
+        }
         // Bytes pass as they come until a request was kept; from then on
         // frame by frame, so that a late cancel of a kept request can be
         // left out.
