@@ -1101,3 +1101,38 @@ fn a_claim_of_this_run_without_a_record_is_collected_by_the_reconciliation() {
         .expect("read the claim")
         .is_none());
 }
+
+/// Issue 37, item 8 (in part): this node's liveness key deleted by hand
+/// while its lease lives was never written again (the keep-alive goes on,
+/// so no new registration comes), and since issue 41 every take compares
+/// that key: the node could take no claim until its lease ended. A take
+/// that finds the key gone while the lease is held has the liveness thread
+/// write it again on the same lease, and the mount's retry takes the
+/// claim.
+///
+/// On f62dff5 the mount worked but the key stayed gone: "nodes/a was not
+/// written again".
+#[test]
+fn a_liveness_key_deleted_by_hand_is_written_again_at_the_next_take() {
+    let c = Cluster::start(vec![nfs_node("a")]);
+    c.add_volume(&volume());
+    let key = format!("{PREFIX}/nodes/a");
+    let etcd = c.etcd.client();
+    let lease = etcd
+        .get(&key)
+        .expect("read etcd")
+        .expect("a's liveness key")
+        .lease;
+    etcd.delete_range(&key, "")
+        .expect("delete a's liveness key");
+    let out = c.node("a").mount("p1", "data=v", &["--timeout", "60s"]);
+    assert_eq!(out.code, EXIT_OK, "{out:?}");
+    assert_eq!(c.holders("v"), ["p1"]);
+    let again = etcd.get(&key).expect("read etcd");
+    assert!(again.is_some(), "nodes/a was not written again");
+    assert_eq!(
+        again.and_then(|kv| kv.lease),
+        lease,
+        "not on the same lease"
+    );
+}

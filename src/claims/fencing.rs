@@ -254,6 +254,8 @@ pub struct Fencing {
     /// every take compares it, so a take still in flight when this node
     /// moves it (or when the key ends with its lease) can never land.
     liveness_revision: Mutex<Option<i64>>,
+    /// See `ask_reregistration`.
+    reregister: std::sync::atomic::AtomicBool,
     /// (volume, alloc) -> the lease it was confirmed under.
     confirmed: Mutex<HashMap<(String, String), LeaseId>>,
     /// The send time last written to the file.
@@ -312,6 +314,7 @@ impl Fencing {
             persisted,
             live: Mutex::new(None),
             liveness_revision: Mutex::new(None),
+            reregister: Default::default(),
             confirmed: Mutex::new(HashMap::new()),
             written: Mutex::new(None),
             back: Mutex::new((0, None)),
@@ -382,6 +385,19 @@ impl Fencing {
         if r.is_some_and(|now| now < revision) {
             *r = Some(revision);
         }
+    }
+
+    /// A take found this node's liveness key gone while this agent holds
+    /// its lease (deleted by hand): the liveness thread writes it again.
+    pub fn ask_reregistration(&self) {
+        self.reregister
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a new registration was asked for since the last call.
+    pub fn reregistration_asked(&self) -> bool {
+        self.reregister
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Waits up to `timeout` for this agent to be registered (a take

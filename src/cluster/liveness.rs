@@ -326,6 +326,20 @@ fn run(
             }
             status.lock().renewed = Some(keep_alive.last_renewed());
             fencing.persist();
+            if fencing.reregistration_asked() {
+                // The key went while the lease lives: written again on the
+                // same lease (nothing that hangs on the lease moves).
+                match register(client, reg, &value, lease) {
+                    Ok(revision) => {
+                        log::warn!("cluster: {key} written again (lease TTL {ttl:?})");
+                        fencing.lease_registered(lease, revision, keep_alive.renewal_clock());
+                        (hooks.on_registered)();
+                    }
+                    Err(e) => {
+                        log::warn!("cluster: cannot write {key} again: {e} (retried at the next take that finds it gone)")
+                    }
+                }
+            }
         }
         fencing.lease_lost();
         log::warn!("cluster: the lease of {key} was lost; registering again");

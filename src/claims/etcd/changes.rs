@@ -265,8 +265,20 @@ impl EtcdClaims {
         if now == Some(*rev) {
             return Ok(None);
         }
-        if let (Some(f), Some(kv)) = (&self.fencing, seen) {
-            f.liveness_seen(kv.lease, kv.mod_revision);
+        if let Some(f) = &self.fencing {
+            match seen {
+                Some(kv) => f.liveness_seen(kv.lease, kv.mod_revision),
+                // Gone while this agent holds its lease: deleted by hand
+                // (its lease would have ended otherwise, and the liveness
+                // thread would register again by itself).
+                None if f.valid_lease().is_some() => {
+                    log::warn!(
+                        "cluster: {key} is gone while this agent's lease is held (deleted by hand?): registering again"
+                    );
+                    f.ask_reregistration();
+                }
+                None => {}
+            }
         }
         let again = self.take_liveness(req)?;
         match &again.0 {
