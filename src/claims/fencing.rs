@@ -250,7 +250,9 @@ pub struct Fencing {
     persisted: Option<Duration>,
     live: Mutex<Option<(LeaseId, RenewalClock)>>,
     /// The mod revision of this node's liveness key as this agent last
-    /// wrote it (registration, or `takes_fenced`), while the lease is held:
+    /// wrote it (a registration, or a move that fences off a take that did
+    /// not answer: `EtcdClaims::settle_uncertain_take`), while the lease
+    /// is held:
     /// every take compares it, so a take still in flight when this node
     /// moves it (or when the key ends with its lease) can never land.
     liveness_revision: Mutex<Option<i64>>,
