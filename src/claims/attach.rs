@@ -627,7 +627,16 @@ impl EtcdClaims {
         };
         // Every write below holds only while the node is still gone: one
         // that comes back keeps its volumes and claims.
-        let gone = [Compare::absent(super::etcd::node_key(self.prefix(), node))];
+        let gone = match rule {
+            super::fencing::FreeRule::Cluster { registered_at, .. } => {
+                super::etcd::still_gone(self.prefix(), node, registered_at)
+            }
+            // The operator's word: the node is gone for good, whatever
+            // registered before; one that is back now is left alone.
+            super::fencing::FreeRule::Operator => {
+                vec![Compare::absent(super::etcd::node_key(self.prefix(), node))]
+            }
+        };
         let mut out = NodeDetach::default();
         match rule.decide(request.as_ref().map(|r| r.plugin_id.as_str())) {
             super::fencing::FreeDecision::Keep { why } => {
@@ -672,9 +681,14 @@ impl EtcdClaims {
                 .client()
                 .txn(
                     &[
-                        Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
-                        gone[0].clone(),
-                    ],
+                        vec![Compare::mod_revision(
+                            kv.key.clone(),
+                            CompareOp::Equal,
+                            kv.mod_revision,
+                        )],
+                        gone.clone(),
+                    ]
+                    .concat(),
                     &[
                         TxnOp::delete(kv.key.clone()),
                         TxnOp::delete(self.index_key_of(&kv.key_str(), node)),

@@ -56,6 +56,24 @@ pub fn node_key(prefix: &str, node: &str) -> String {
     format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
 }
 
+/// `<prefix>/node-settings/<node>`: the node's settings, written again by
+/// every registration of its liveness (in the same `Txn`).
+pub fn settings_key(prefix: &str, node: &str) -> String {
+    format!("{}/node-settings/{node}", prefix.trim_end_matches('/'))
+}
+
+/// What every write acting on a gone node compares: its liveness key is
+/// absent, and it has not registered since its settings' mod revision was
+/// `registered_at` (the absence the writer counted is the one still
+/// going on).
+pub fn still_gone(prefix: &str, node: &str, registered_at: i64) -> Vec<crate::etcd::Compare> {
+    use crate::etcd::{Compare, CompareOp};
+    vec![
+        Compare::absent(node_key(prefix, node)),
+        Compare::mod_revision(settings_key(prefix, node), CompareOp::Equal, registered_at),
+    ]
+}
+
 /// A claim as stored in etcd.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

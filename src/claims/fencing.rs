@@ -177,6 +177,10 @@ pub enum FreeRule<'a> {
         /// one answered OK too, so a timed-out publish that lands late is
         /// undone before the claim is freed.
         publish_settle: Duration,
+        /// The mod revision of the node's settings when the reaper first
+        /// saw it gone (`claims::etcd::still_gone`): every write compares
+        /// it, so a node that registered again since is left alone.
+        registered_at: i64,
     },
 }
 
@@ -694,6 +698,7 @@ mod tests {
             fencing_plugins: &marked,
             free_unfenced: false,
             publish_settle: Duration::ZERO,
+            registered_at: 1,
         };
         assert_eq!(cluster.decide(Some("san")), FreeDecision::DetachThenFree);
         assert!(matches!(
@@ -705,6 +710,7 @@ mod tests {
             fencing_plugins: &[],
             free_unfenced: true,
             publish_settle: Duration::ZERO,
+            registered_at: 1,
         };
         assert_eq!(opted.decide(None), FreeDecision::Free);
         assert_eq!(opted.decide(Some("nfs")), FreeDecision::DetachThenFree);

@@ -72,7 +72,7 @@ pub fn settings_entry(
         claim_index: true,
     };
     (
-        format!("{}/node-settings/{node}", prefix.trim_end_matches('/')),
+        crate::claims::etcd::settings_key(prefix, node),
         serde_json::to_vec(&value).expect("settings always encode"),
     )
 }
@@ -238,13 +238,26 @@ impl SelfRelease {
     }
 }
 
+/// A node seen without its liveness key.
+#[derive(Clone, Copy, Debug)]
+struct Absence {
+    /// When this agent first saw it gone (its clock, fresh observations
+    /// only).
+    since: Instant,
+    /// The mod revision of the node's settings then. Every registration
+    /// writes them again, so the reaper lock and every write of the reap
+    /// compare it: a node that registered again since (even unseen,
+    /// between two observations or during another node's reap) is never
+    /// acted on by this count.
+    registered_at: i64,
+}
+
 struct Reaper {
     parts: RuleParts,
     /// The other nodes, as a watch keeps them.
     view: NodeView,
-    /// Nodes seen without a liveness key, since when (this agent's clock,
-    /// from fresh observations only).
-    gone_since: HashMap<String, Instant>,
+    /// Nodes seen without a liveness key (fresh observations only).
+    gone_since: HashMap<String, Absence>,
     last_observation: Option<Instant>,
     /// (node, volume) kept claimed and already said so in the log.
     kept_reported: HashSet<(String, String)>,
@@ -292,18 +305,8 @@ impl Reaper {
             .map_err(unavailable)?;
         let mut out = NodesSnapshot::default();
         for kv in &settings.kvs {
-            let node = kv
-                .key_str()
-                .rsplit('/')
-                .next()
-                .unwrap_or_default()
-                .to_string();
-            match serde_json::from_slice::<NodeSettings>(&kv.value) {
-                Ok(s) => {
-                    out.settings.insert(node, s);
-                }
-                Err(e) => log::warn!("cluster: {} is not node settings: {e}", kv.key_str()),
-            }
+            let key = kv.key_str();
+            out.set_settings(key.rsplit('/').next().unwrap_or_default(), kv);
         }
         out.alive = claims.alive_nodes()?;
         Ok(out)
@@ -344,12 +347,31 @@ impl Reaper {
             if alive.contains(&node) {
                 continue;
             }
-            let since = *self.gone_since.entry(node.clone()).or_insert(now);
-            if since.elapsed() < wait || self.quiet.get(&node).is_some_and(|(next, _)| now < *next)
+            let Some(&registered_at) = seen.registered_at.get(&node) else {
+                continue;
+            };
+            let absence = self.gone_since.entry(node.clone()).or_insert(Absence {
+                since: now,
+                registered_at,
+            });
+            if absence.registered_at != registered_at {
+                // Back and gone again between two observations.
+                log::info!(
+                    "cluster: reaper: node {node} registered again since it was first seen gone: its absence is counted again from now"
+                );
+                *absence = Absence {
+                    since: now,
+                    registered_at,
+                };
+                self.quiet.remove(&node);
+            }
+            let absence = *absence;
+            if absence.since.elapsed() < wait
+                || self.quiet.get(&node).is_some_and(|(next, _)| now < *next)
             {
                 continue;
             }
-            if self.reap(&node, wait, lease)? {
+            if self.reap(&node, wait, absence, lease)? {
                 // Nothing this agent can do for that node now: looked at
                 // again less and less often (up to REAP_QUIET_MAX), so a
                 // node gone for good costs no full read of the claims on
@@ -368,17 +390,22 @@ impl Reaper {
 
     /// Takes the node's reaper lock: true when this agent holds it (also
     /// when an earlier take of this agent left it, or its answer was lost)
-    /// while the node's liveness key is absent. Both are compared in one
-    /// `Txn`, so the decision is linearizable even when the absence was
-    /// seen through a watch.
-    fn lock(&self, node: &str, lock: &str, me: &str, lease: LeaseId) -> Result<bool, ClaimError> {
+    /// while the node's liveness key is absent and it has not registered
+    /// since `registered_at`. All are compared in one `Txn`, so the
+    /// decision is linearizable even when the absence was seen through a
+    /// watch, or long ago.
+    fn lock(
+        &self,
+        node: &str,
+        registered_at: i64,
+        lock: &str,
+        me: &str,
+        lease: LeaseId,
+    ) -> Result<bool, ClaimError> {
         let client = self.parts.claims.client();
-        let gone = Compare::absent(crate::claims::etcd::node_key(
-            self.parts.claims.prefix(),
-            node,
-        ));
+        let gone = crate::claims::etcd::still_gone(self.parts.claims.prefix(), node, registered_at);
         let took = client.txn(
-            &[Compare::absent(lock), gone.clone()],
+            &[&[Compare::absent(lock)], &gone[..]].concat(),
             &[TxnOp::put_with_lease(lock, me, lease)],
             &[],
         );
@@ -391,7 +418,9 @@ impl Reaper {
             }
         }
         let mine = Compare::value(lock, crate::etcd::CompareOp::Equal, me);
-        let held = client.txn(&[mine, gone], &[], &[]).map_err(unavailable)?;
+        let held = client
+            .txn(&[&[mine], &gone[..]].concat(), &[], &[])
+            .map_err(unavailable)?;
         Ok(held.succeeded)
     }
 
@@ -399,7 +428,13 @@ impl Reaper {
     /// the node's reaper lock, by the cluster's free rule.
     /// True when there was nothing it could do: no claims of that node, or
     /// each one kept (nothing can fence it).
-    fn reap(&mut self, node: &str, wait: Duration, lease: LeaseId) -> Result<bool, ClaimError> {
+    fn reap(
+        &mut self,
+        node: &str,
+        wait: Duration,
+        absence: Absence,
+        lease: LeaseId,
+    ) -> Result<bool, ClaimError> {
         let claims = self.parts.claims.clone();
         // The node's claims through its index (a few small reads), never
         // every claim of the cluster, unless the node never ran a claimd
@@ -412,11 +447,11 @@ impl Reaper {
         if volumes.is_empty() {
             return Ok(true);
         }
-        let gone_for = self.gone_since.get(node).map_or(wait, Instant::elapsed);
+        let gone_for = absence.since.elapsed();
         let lock = format!("{}/reaper-locks/{node}", claims.prefix());
         let me =
             serde_json::json!({"host": self.parts.node, "lease": lease.to_string()}).to_string();
-        if !self.lock(node, &lock, &me, lease)? {
+        if !self.lock(node, absence.registered_at, &lock, &me, lease)? {
             // Another agent reaps it now (or the node is back).
             return Ok(false);
         }
@@ -428,6 +463,7 @@ impl Reaper {
             fencing_plugins: &self.parts.fencing_plugins,
             free_unfenced: self.parts.free_unfenced,
             publish_settle: self.parts.csi_call,
+            registered_at: absence.registered_at,
         };
         for v in &volumes {
             match claims.release_node_volume(

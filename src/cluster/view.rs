@@ -73,6 +73,35 @@ impl NodeSettings {
 pub struct NodesSnapshot {
     pub alive: HashSet<String>,
     pub settings: BTreeMap<String, NodeSettings>,
+    /// The mod revision of each node's settings in `settings`: every
+    /// registration of the node writes them again, so a revision that
+    /// moved means the node registered in between.
+    pub registered_at: BTreeMap<String, i64>,
+}
+
+impl NodesSnapshot {
+    /// Records `node-settings/<node>` as read (an undecodable value is
+    /// left out, with a warning).
+    pub fn set_settings(&mut self, node: &str, kv: &KeyValue) {
+        match serde_json::from_slice::<NodeSettings>(&kv.value) {
+            Ok(v) => {
+                self.settings.insert(node.to_string(), v);
+                self.registered_at.insert(node.to_string(), kv.mod_revision);
+            }
+            Err(e) => {
+                self.remove_settings(node);
+                log::warn!(
+                    "cluster: {} is not node settings: {e} (ignored)",
+                    kv.key_str()
+                );
+            }
+        }
+    }
+
+    pub fn remove_settings(&mut self, node: &str) {
+        self.settings.remove(node);
+        self.registered_at.remove(node);
+    }
 }
 
 #[derive(Default)]
@@ -196,18 +225,10 @@ impl Keeper {
                 nodes.alive.remove(node);
             }
         } else if let Some(node) = key.strip_prefix(&self.settings) {
-            if !put {
-                nodes.settings.remove(node);
-                return;
-            }
-            match serde_json::from_slice::<NodeSettings>(&kv.value) {
-                Ok(v) => {
-                    nodes.settings.insert(node.to_string(), v);
-                }
-                Err(e) => {
-                    nodes.settings.remove(node);
-                    log::warn!("cluster: {key} is not node settings: {e} (ignored)");
-                }
+            if put {
+                nodes.set_settings(node, kv);
+            } else {
+                nodes.remove_settings(node);
             }
         }
     }

@@ -115,7 +115,7 @@ impl EtcdClaims {
 
     /// `<prefix>/node-settings/<node>`.
     fn settings_key(&self, node: &str) -> String {
-        format!("{}/node-settings/{node}", self.prefix)
+        super::settings_key(&self.prefix, node)
     }
 
     /// The marker and settings of `node` (one `Txn`), then its entries

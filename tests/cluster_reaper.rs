@@ -1,0 +1,155 @@
+//! The reaper acts only on the absence it counted (issue 37): with real
+//! agents, a real etcd, real mounts and the test plugins' call logs.
+//!
+//! The harness is tests/cluster_controller_support.
+
+mod agent_support;
+mod cluster_controller_support;
+mod common;
+mod etcd_support;
+
+use std::time::Duration;
+
+use agent_support::*;
+use claimd::cluster::NodeSettings;
+use cluster_controller_support::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// W of `node` as its published settings give it.
+fn observer_wait(c: &Cluster, node: &str) -> Duration {
+    let settings = c
+        .get_json(&format!("node-settings/{node}"))
+        .unwrap_or_else(|| panic!("node-settings/{node}"));
+    let s: NodeSettings = serde_json::from_value(settings.clone()).expect("node settings");
+    s.observer_wait()
+        .unwrap_or_else(|| panic!("{node} has no stop_after_disconnect: {settings}"))
+}
+
+/// Waits until the wall clock reaches `at_ms`: the tests below act at the
+/// times the reaper's own rule sets (a node's W after it was seen gone).
+fn wait_for_clock(at_ms: u64) {
+    wait_until(
+        RETRY_TIMEOUT * 2,
+        &format!("the clock to reach {at_ms}"),
+        || now_ms() >= at_ms,
+    );
+}
+
+/// The calls of `method` for `external_node` in `n`'s plugin log, after
+/// `since_ms`.
+fn calls_for(n: &Node, method: &str, external_node: &str, since_ms: u64) -> Vec<Value> {
+    n.calls_of(method)
+        .into_iter()
+        .filter(|c| c["node_id"] == external_node && ts(c) >= since_ms)
+        .collect()
+}
+
+/// Issue 37, item 1: node b is seen gone, the reaper is held in another
+/// node's reap (a fence that does not answer), b comes back, registers,
+/// and is cut off again. When the other reap returns, b's first absence is
+/// long enough, but it was interrupted: the reaper must count b's absence
+/// again (every write of the reap compares b's settings revision from
+/// when the absence began), so b is fenced only after it let go of its
+/// volume by itself. Before the fix, b was fenced at once while its
+/// allocation was still published.
+#[test]
+fn an_absence_interrupted_during_another_reap_is_counted_again() {
+    const B_WINDOW_S: u64 = 40;
+    let mut c = Cluster::start(vec![
+        host("h", &["a", "b"])
+            .stop_after_disconnect(STOP_AFTER)
+            .fencing()
+            .fenced_storage()
+            // The fence of a's volume hangs until the test restarts the
+            // plugin: neither deadline ends it first.
+            .csi_call_timeout("150s")
+            .cluster_field("attach_timeout", json!("200s")),
+        node_only("a")
+            .proxied()
+            .stop_after_disconnect(STOP_AFTER)
+            .fenced_storage(),
+        node_only("b")
+            .proxied()
+            .stop_after_disconnect(&format!("{B_WINDOW_S}s"))
+            .csi_call_timeout("2s")
+            .fenced_storage(),
+    ]);
+    c.add_volume(&volume_json("v1", "ext-v1", &["single-node-writer"]));
+    c.add_volume(&volume_json("v2", "ext-v2", &["single-node-writer"]));
+    let b_wait = observer_wait(&c, "b");
+    let b_window_ms = B_WINDOW_S * 1000;
+    c.node("a").mount_ok("p1", "data=v1");
+    let path = c.node("b").mount_ok("p2", "data=v2");
+    let h_faults = c.node("h").plugin.faults();
+    h_faults.set(json!([{
+        "method": CUP, "volume_id": "ext-v1", "action": "hang", "count": 1
+    }]));
+
+    // a, then b, seen gone: a's reap starts first (its W is shorter) and
+    // its fence hangs.
+    c.node("a").cut();
+    c.wait_gone("a");
+    c.node("b").cut();
+    let b_gone = c.wait_gone("b");
+    wait_until(
+        RETRY_TIMEOUT,
+        "the reaper's fence of a to reach h's plugin",
+        || h_faults.rules().is_empty(),
+    );
+    assert!(
+        now_ms() < b_gone + b_window_ms,
+        "b's own window ran out before its link could heal: the test's timing is off"
+    );
+
+    // b comes back (keeping p2) and registers, unseen by the held reaper,
+    // then is cut off again late enough that its first absence has run
+    // out W before its second one runs out its window.
+    c.node("b").heal();
+    c.wait_alive("b");
+    assert!(is_mount_point(&path), "p2 is no longer mounted");
+    let b_wait_ms = b_wait.as_millis() as u64;
+    wait_for_clock(b_gone + (b_wait_ms - b_window_ms) + 10_000);
+    let b_cut_again = now_ms();
+    c.node("b").cut();
+    c.wait_gone("b");
+    wait_for_clock(b_gone + b_wait_ms + 1_000);
+    assert!(
+        now_ms() + 5_000 < b_cut_again + b_window_ms,
+        "b's second window is about to run out: the test's timing is off"
+    );
+
+    // a's fence ends (its plugin restarted; it refuses a's fence from now
+    // on): the reaper goes on to b.
+    let released_at = now_ms();
+    h_faults.set(json!([{
+        "method": CUP, "volume_id": "ext-v1", "action": "fail", "code": "FAILED_PRECONDITION"
+    }]));
+    c.node_mut("h").plugin.restart();
+
+    let h = c.node("h");
+    let b = c.node("b");
+    wait_until(RETRY_TIMEOUT * 2, "the fence of b", || {
+        !calls_for(h, CUP, &ext("b"), released_at).is_empty()
+    });
+    let fence = calls_for(h, CUP, &ext("b"), released_at)[0].clone();
+    let nus = b.calls_of(NUS);
+    assert!(
+        !nus.is_empty() && ts(&nus[0]) <= ts(&fence),
+        "b was fenced ({fence}) while p2 was still staged there (NodeUnstage: {nus:?}); b was cut off again {} ms before the fence, its window is {b_window_ms} ms",
+        ts(&fence).saturating_sub(b_cut_again)
+    );
+    assert!(!is_mount_point(&path), "p2 is still mounted");
+    assert!(
+        ts(&fence) >= b_cut_again + b_window_ms,
+        "b fenced {} ms after it was cut off again, within its window",
+        ts(&fence).saturating_sub(b_cut_again)
+    );
+    assert!(
+        h.agent
+            .log()
+            .contains("node b registered again since it was first seen gone")
+            || h.agent.log().contains("absences counted again"),
+        "the reaper did not say it counts b's absence again"
+    );
+}
