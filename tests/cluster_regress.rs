@@ -938,6 +938,7 @@ fn free_q(alloc: &str) -> claimd::claims::ClaimChange {
         alloc_id: alloc.to_string(),
         holder: Some("a".to_string()),
         while_gone: false,
+        by_hand: None,
     }
 }
 

@@ -855,6 +855,7 @@ fn a_claim_freed_by_hand_stays_with_a_node_that_is_back_at_the_write() {
                     alloc_id: "q1".to_string(),
                     holder: None,
                     while_gone: true,
+                    by_hand: None,
                 }],
                 wanted: &|_| true,
                 record: &mut record,

@@ -216,6 +216,7 @@ mod tests {
             alloc_id: "a".into(),
             holder: None,
             while_gone: false,
+            by_hand: None,
         };
         change(&claims, free.clone()).expect("free");
         change(&claims, free).expect("free again");
@@ -230,6 +231,7 @@ mod tests {
                     alloc_id: "b".into(),
                     holder: None,
                     while_gone: false,
+                    by_hand: None,
                 }],
                 wanted: &|_| false,
                 record: &mut |s, _| s.boot_id = "changed".into(),

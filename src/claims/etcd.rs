@@ -20,7 +20,7 @@
 //! lifecycle); a value that is not a claim is `Corrupt` and is never
 //! overwritten.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -91,39 +91,97 @@ pub struct StoredClaim {
 /// of that node's liveness key it compared.
 pub(super) type UncertainTake = (String, i64);
 
-/// The takes of one transaction, counted in flight while it lives.
+/// (volume, allocation) of this process's takes between their round trip
+/// and their local record (how many of each), and of its operator's frees
+/// (`claim free`) between their look at the local records and their write.
+/// One excludes the other: a free by hand never deletes a claim that a
+/// mount of the same allocation is taking or confirming meanwhile.
+#[derive(Debug, Default)]
+pub(super) struct InFlightClaims {
+    pub(super) takes: HashMap<(String, String), usize>,
+    frees_by_hand: HashSet<(String, String)>,
+}
+
+/// The takes and frees by hand of one transaction, in flight while it
+/// lives; `refused`: the indexes of changes that must not go now (a take
+/// of a claim being freed by hand, a free by hand of a claim being taken).
 struct InFlight<'a> {
-    map: &'a Mutex<HashMap<(String, String), usize>>,
-    keys: Vec<(String, String)>,
+    map: &'a Mutex<InFlightClaims>,
+    takes: Vec<(String, String)>,
+    frees: Vec<(String, String)>,
+    refused: HashSet<usize>,
 }
 
 impl<'a> InFlight<'a> {
-    fn new(map: &'a Mutex<HashMap<(String, String), usize>>, changes: &[ClaimChange]) -> Self {
-        let keys: Vec<(String, String)> = changes
-            .iter()
-            .filter_map(|c| match c {
-                ClaimChange::Take(r) => Some((r.volume_id.clone(), r.alloc_id.clone())),
-                _ => None,
-            })
-            .collect();
+    fn new(map: &'a Mutex<InFlightClaims>, changes: &[ClaimChange]) -> Self {
         let mut m = map.lock();
-        for k in &keys {
-            *m.entry(k.clone()).or_default() += 1;
+        let mut me = InFlight {
+            map,
+            takes: Vec::new(),
+            frees: Vec::new(),
+            refused: HashSet::new(),
+        };
+        for (i, c) in changes.iter().enumerate() {
+            let key = (c.volume_id().to_string(), c.alloc_id().to_string());
+            match c {
+                ClaimChange::Take(_) if m.frees_by_hand.contains(&key) => {
+                    me.refused.insert(i);
+                }
+                ClaimChange::Take(_) => {
+                    *m.takes.entry(key.clone()).or_default() += 1;
+                    me.takes.push(key);
+                }
+                ClaimChange::Free {
+                    by_hand: Some(_), ..
+                } => {
+                    if m.takes.contains_key(&key) || !m.frees_by_hand.insert(key.clone()) {
+                        me.refused.insert(i);
+                    } else {
+                        me.frees.push(key);
+                    }
+                }
+                _ => {}
+            }
         }
-        InFlight { map, keys }
+        me
+    }
+
+    /// Why change `i` must not go now, if it must not.
+    fn refusal(&self, i: usize, change: &ClaimChange) -> Option<ClaimError> {
+        if !self.refused.contains(&i) {
+            return None;
+        }
+        let (volume_id, alloc_id) = (change.volume_id(), change.alloc_id());
+        Some(match change {
+            ClaimChange::Take(_) => ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: format!(
+                    "the claim of volume {volume_id} by allocation {alloc_id} is being freed by hand on this node (claim free); the mount retries"
+                ),
+            },
+            _ => ClaimError::Impossible {
+                volume_id: volume_id.to_string(),
+                reason: format!(
+                    "allocation {alloc_id} is being mounted on this node (or freed by hand already): release the allocation, or look again once its mount is done"
+                ),
+            },
+        })
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let mut m = self.map.lock();
-        for k in &self.keys {
-            if let Some(n) = m.get_mut(k) {
+        for k in &self.takes {
+            if let Some(n) = m.takes.get_mut(k) {
                 *n -= 1;
                 if *n == 0 {
-                    m.remove(k);
+                    m.takes.remove(k);
                 }
             }
+        }
+        for k in &self.frees {
+            m.frees_by_hand.remove(k);
         }
     }
 }
@@ -163,7 +221,7 @@ pub struct EtcdClaims {
     /// their local record (how many of each): the start-up reconciliation
     /// never takes one of these claims for an orphan, whatever the
     /// revisions say (a take's revision is known only once it answered).
-    pub(super) takes_in_flight: Arc<Mutex<HashMap<(String, String), usize>>>,
+    pub(super) takes_in_flight: Arc<Mutex<InFlightClaims>>,
     /// The TTL of the lease each `freed/` note is written on.
     freed_retention: std::time::Duration,
     /// This node's attach requests as it last wrote or saw them (mod
@@ -364,7 +422,14 @@ impl EtcdClaims {
                 alloc_id,
                 holder,
                 while_gone,
-            } => self.free(volume_id, alloc_id, holder.as_deref(), *while_gone),
+                by_hand,
+            } => self.free(
+                volume_id,
+                alloc_id,
+                holder.as_deref(),
+                *while_gone,
+                by_hand.as_deref(),
+            ),
         }
     }
 
@@ -489,17 +554,29 @@ pub(crate) fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
 
 impl ClaimStore for EtcdClaims {
     fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError> {
+        // Its takes count as in flight until the record is written; a free
+        // by hand, until its write answered. Marked before `wanted` looks
+        // at the records: a free by hand wants the allocation unrecorded,
+        // and a mount that records it from now on cannot take the claim
+        // until the free is done.
+        let in_flight = InFlight::new(&self.takes_in_flight, &txn.changes);
         if !self.state.read(txn.wanted) {
             return Ok(Applied::NotWanted);
         }
         // The round trips first, outside every state lock; then the record.
-        // Its takes count as in flight until the record is written.
-        let _in_flight = InFlight::new(&self.takes_in_flight, &txn.changes);
         let round_trip = !txn.changes.is_empty();
         if round_trip {
             crate::failpoints::hit("etcd-before-round-trip");
         }
-        let outcomes: Vec<_> = txn.changes.iter().map(|c| self.apply(c)).collect();
+        let outcomes: Vec<_> = txn
+            .changes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match in_flight.refusal(i, c) {
+                Some(e) => Err(e),
+                None => self.apply(c),
+            })
+            .collect();
         if round_trip {
             // etcd changed, the local record not yet.
             crate::failpoints::hit("etcd-after-round-trip");
@@ -546,6 +623,7 @@ impl ClaimStore for EtcdClaims {
                     alloc_id: req.alloc_id.clone(),
                     holder: Some(req.node.clone()),
                     while_gone: false,
+                    by_hand: None,
                 };
                 if let Err(e) = self.apply(&free) {
                     log::warn!("cluster: a claim taken for a change no longer wanted stays: {e}");
@@ -683,24 +761,6 @@ impl ClaimStore for EtcdClaims {
                 None
             }
         }
-    }
-
-    fn note_freed_by_hand(&self, claim: &Claim, reason: &str, by: &str) -> Result<(), ClaimError> {
-        let note = serde_json::json!({
-            "claim": claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
-        });
-        let lease = self.freed_note_lease()?;
-        self.client
-            .put_with_lease(
-                format!(
-                    "{}/freed/{}/{}",
-                    self.prefix, claim.volume_id, claim.alloc_id
-                ),
-                note.to_string(),
-                lease,
-            )
-            .map_err(unavailable)?;
-        Ok(())
     }
 }
 

@@ -82,12 +82,26 @@ pub enum ClaimChange {
     /// `while_gone`: only while the holder's node is not alive (in a cluster
     /// store: its liveness key absent, compared in the same write), so that
     /// a node that came back since an operator looked keeps its claim.
+    /// `by_hand`: an operator's free (`claim free`), noted in the cluster
+    /// store in the same write (`freed/<volume>/<alloc>`).
     Free {
         volume_id: String,
         alloc_id: String,
         holder: Option<String>,
         while_gone: bool,
+        by_hand: Option<Box<ByHand>>,
     },
+}
+
+/// An operator's free of a claim (`claim free`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ByHand {
+    /// The claim as the operator's command read it: a claim held by
+    /// another node by the time of the write is left alone.
+    pub claim: Claim,
+    pub reason: String,
+    /// The node whose agent frees it.
+    pub by: String,
 }
 
 impl ClaimChange {
@@ -258,16 +272,6 @@ pub trait ClaimStore: Send + Sync {
     /// store does not know other nodes (one node).
     fn node_alive(&self, _node: &str) -> Result<Option<bool>, ClaimError> {
         Ok(None)
-    }
-    /// Keeps a record of a claim an operator freed by hand, with the reason
-    /// (the log of this agent says it too).
-    fn note_freed_by_hand(
-        &self,
-        _claim: &Claim,
-        _reason: &str,
-        _by: &str,
-    ) -> Result<(), ClaimError> {
-        Ok(())
     }
 }
 

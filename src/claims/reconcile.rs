@@ -18,9 +18,30 @@ pub struct Reconciled {
     /// etcd no longer holds: freed by the cluster (the disconnect rule) or
     /// by hand while this node was away. Their allocations must go.
     pub lost: Vec<(String, String, String)>,
+    /// (volume, alloc) of local records past their claim whose claim etcd
+    /// no longer holds and has no note of (gone by accident): taken again
+    /// under this instance.
+    pub retaken: Vec<(String, String)>,
 }
 
 impl EtcdClaims {
+    /// Whether this node's record of `alloc_id` holds `volume_id` past its
+    /// claim and is not being released.
+    fn past_claim(&self, volume_id: &str, alloc_id: &str) -> bool {
+        self.state.read(|s| {
+            s.allocs.get(alloc_id).is_some_and(|a| {
+                !a.releasing
+                    && a.volumes.values().any(|v| {
+                        v.volume_id == volume_id
+                            && matches!(
+                                v.phase,
+                                crate::state::Phase::Mounting | crate::state::Phase::Published
+                            )
+                    })
+            })
+        })
+    }
+
     /// Claims in etcd held by `node` for which no local record exists (a
     /// crash between the claim store's round trip and the local write, or a
     /// state directory replaced by hand) are freed, after checking that
@@ -36,7 +57,7 @@ impl EtcdClaims {
     ) -> Result<Reconciled, ClaimError> {
         // The local records first: one past its claim was in etcd before
         // it was recorded, so a claim missing from the later read was freed.
-        let past_claim: Vec<(String, String)> = self.state.read(|s| {
+        let past_claim: Vec<(String, String, super::ClaimRequest)> = self.state.read(|s| {
             s.alloc_volumes()
                 .filter(|(a, v)| {
                     !a.releasing
@@ -45,7 +66,21 @@ impl EtcdClaims {
                             crate::state::Phase::Mounting | crate::state::Phase::Published
                         )
                 })
-                .map(|(a, v)| (v.volume_id.clone(), a.id.clone()))
+                .map(|(a, v)| {
+                    let req = super::ClaimRequest {
+                        volume_id: v.volume_id.clone(),
+                        alloc_id: a.id.clone(),
+                        node: node.to_string(),
+                        mode: if v.usage.read_only {
+                            super::ClaimMode::Read
+                        } else {
+                            super::ClaimMode::Write
+                        },
+                        access_mode: v.usage.access_mode,
+                        external_node_id: v.external_node_id.clone(),
+                    };
+                    (v.volume_id.clone(), a.id.clone(), req)
+                })
                 .collect()
         });
         // What this node holds: through its index (the claims of its
@@ -56,7 +91,7 @@ impl EtcdClaims {
         let kvs: Vec<KeyValue> = if index.trusted {
             let mut wanted: HashSet<(String, String)> =
                 index.entries.iter().map(|(p, _)| p.clone()).collect();
-            wanted.extend(past_claim.iter().cloned());
+            wanted.extend(past_claim.iter().map(|(v, a, _)| (v.clone(), a.clone())));
             let read = self.get_claims(&wanted)?;
             self.drop_stale_entries(node, &index.entries, &read);
             let mut kvs: Vec<KeyValue> = read.into_values().collect();
@@ -84,7 +119,8 @@ impl EtcdClaims {
             })
             .collect();
         let mut lost = Vec::new();
-        for (volume_id, alloc_id) in past_claim {
+        let mut retaken = Vec::new();
+        for (volume_id, alloc_id, req) in past_claim {
             if held.contains(&(volume_id.clone(), alloc_id.clone())) {
                 continue;
             }
@@ -95,16 +131,45 @@ impl EtcdClaims {
             let why = note
                 .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
                 .and_then(|v| v["reason"].as_str().map(str::to_string));
-            match why {
-                // Freed on purpose (the disconnect rule, or by hand).
-                Some(why) => lost.push((volume_id, alloc_id, why)),
-                // Gone without a trace (a changed prefix or node name, an
-                // etcd restored from an old backup, a store switched from
-                // one node): never a reason to unmount a workload.
-                None => log::error!(
-                    "cluster: allocation {alloc_id} on this node records volume {volume_id} but etcd holds no claim of it by this node and no note of it being freed: keeping the allocation (check the cluster section's prefix and node_name)"
-                ),
-            }
+            let Some(why) = why else {
+                // Gone without a trace (its note's lease ran out while this
+                // node was suspended, an etcd restored from an old backup,
+                // a changed prefix or node name): the volume may still be
+                // in use here, and nothing holds it for this node. Taken
+                // again, as a mount takes it (compatible with every claim
+                // of the volume, under this instance); if another
+                // allocation holds it now, this node stops using it.
+                // A release of this node frees the claim after it marked
+                // the record releasing: looked at again after the read
+                // above, and after the take (given back if it started).
+                if !self.past_claim(&volume_id, &alloc_id) {
+                    continue;
+                }
+                match self.take(&req) {
+                    Ok(()) if !self.past_claim(&volume_id, &alloc_id) => {
+                        self.free(&volume_id, &alloc_id, Some(node), false, None)?;
+                    }
+                    Ok(()) => {
+                        log::warn!(
+                            "cluster: allocation {alloc_id} on this node records volume {volume_id} but etcd held no claim of it and no note of it being freed: its claim is taken again (check the cluster section's prefix and node_name if this was not expected)"
+                        );
+                        retaken.push((volume_id, alloc_id));
+                    }
+                    Err(e @ (ClaimError::HeldByOther { .. } | ClaimError::Impossible { .. })) => {
+                        lost.push((
+                            volume_id,
+                            alloc_id,
+                            format!(
+                                "its claim vanished without a note of it being freed, and cannot be taken again: {e}"
+                            ),
+                        ))
+                    }
+                    Err(e) => return Err(e),
+                }
+                continue;
+            };
+            // Freed on purpose (the disconnect rule, or by hand).
+            lost.push((volume_id, alloc_id, why));
         }
         let table = crate::mounts::MountTable::read().map_err(|e| ClaimError::Unavailable {
             store: "mountinfo".to_string(),
@@ -112,6 +177,7 @@ impl EtcdClaims {
         })?;
         let mut out = Reconciled {
             lost,
+            retaken,
             ..Reconciled::default()
         };
         for kv in &kvs {
@@ -151,7 +217,7 @@ impl EtcdClaims {
             // record: not an orphan. (Looked at before the records: a take
             // leaves this set only once its record is written.)
             let key = (c.volume_id.clone(), c.alloc_id.clone());
-            if self.takes_in_flight.lock().contains_key(&key) {
+            if self.takes_in_flight.lock().takes.contains_key(&key) {
                 continue;
             }
             let recorded = self.state.read(|s| {

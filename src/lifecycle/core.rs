@@ -240,6 +240,7 @@ impl Core {
             alloc_id: alloc_id.to_string(),
             holder: Some(self.opts.node_name.clone()),
             while_gone: false,
+            by_hand: None,
         };
         let applied = self.transact_closing(vec![free], &mut |s, out| {
             if out.iter().all(Result::is_ok) {

@@ -173,13 +173,13 @@ impl Lifecycle {
                 volume_id: volume_id.to_string(),
                 alloc_id: alloc_id.to_string(),
             })?;
-        let recorded = self.core.store.read(|s| {
+        let recorded = |s: &crate::state::StateFile| {
             s.allocs
                 .get(alloc_id)
                 .is_some_and(|a| a.volumes.values().any(|v| v.volume_id == volume_id))
-        });
+        };
         let here = claim.node == self.core.opts.node_name;
-        if here && recorded {
+        if here && self.core.store.read(recorded) {
             return Err(FreeClaimError::RecordedHere {
                 alloc_id: alloc_id.to_string(),
             });
@@ -199,36 +199,50 @@ impl Lifecycle {
         // Another node's claim, not forced: only while that node is still
         // gone when the claim goes (it may come back after the check above).
         let while_gone = !here && !force;
+        // The note of why goes in the same write as the free.
         let free = crate::claims::ClaimChange::Free {
             volume_id: volume_id.to_string(),
             alloc_id: alloc_id.to_string(),
             holder: None,
             while_gone,
+            by_hand: Some(Box::new(crate::claims::ByHand {
+                claim: claim.clone(),
+                reason: reason.to_string(),
+                by: self.core.opts.node_name.clone(),
+            })),
         };
-        self.core
-            .transact(vec![free], &|_| true, &mut |_, _| {})
-            .map_err(FreeClaimError::State)?
-            .single()
-            .map_err(|e| match e {
-                crate::claims::ClaimError::Impossible { .. } if while_gone => {
-                    FreeClaimError::HolderAlive {
-                        node: claim.node.clone(),
-                    }
+        // This node's own claim: looked at again once the claim store has
+        // marked the free (a mount of the allocation that recorded it
+        // meanwhile keeps it; one still taking it refuses the free).
+        // Decided at the first look: the write after the free records
+        // nothing, so a mount recorded after the free does not undo it.
+        let first = std::cell::OnceCell::new();
+        let applied = self
+            .core
+            .transact(
+                vec![free],
+                &|s| *first.get_or_init(|| !(here && recorded(s))),
+                &mut |_, _| {},
+            )
+            .map_err(FreeClaimError::State)?;
+        if matches!(applied, crate::claims::Applied::NotWanted) {
+            return Err(FreeClaimError::RecordedHere {
+                alloc_id: alloc_id.to_string(),
+            });
+        }
+        applied.single().map_err(|e| match e {
+            crate::claims::ClaimError::Impossible { .. } if while_gone => {
+                FreeClaimError::HolderAlive {
+                    node: claim.node.clone(),
                 }
-                e => FreeClaimError::Store(e),
-            })?;
+            }
+            e => FreeClaimError::Store(e),
+        })?;
         log::warn!(
             "claim of volume {volume_id} by allocation {alloc_id} on node {} freed by hand{}: {reason}",
             claim.node,
             if force { " (forced)" } else { "" }
         );
-        if let Err(e) =
-            self.core
-                .claims
-                .note_freed_by_hand(&claim, reason, &self.core.opts.node_name)
-        {
-            log::warn!("the reason could not be kept in the claim store: {e}");
-        }
         Ok(claim)
     }
 

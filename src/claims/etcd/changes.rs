@@ -52,7 +52,7 @@ impl EtcdClaims {
     /// liveness key with the revision this agent wrote it at: a take still
     /// in flight lands only while the node is registered and has not fenced
     /// its takes off since (`settle_uncertain_take`).
-    pub(super) fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
+    pub(in crate::claims) fn take(&self, req: &ClaimRequest) -> Result<(), ClaimError> {
         let prefix = self.volume_prefix(&req.volume_id);
         let lease = self.lease_before();
         let key = self.key(&req.volume_id, &req.alloc_id);
@@ -347,12 +347,13 @@ impl EtcdClaims {
     /// `Txn` when it is as this node last wrote it). A claim another node
     /// holds under the same allocation ID is left alone; a value that is
     /// not a claim is never deleted.
-    pub(super) fn free(
+    pub(in crate::claims) fn free(
         &self,
         volume_id: &str,
         alloc_id: &str,
         holder: Option<&str>,
         while_gone: bool,
+        by_hand: Option<&crate::claims::ByHand>,
     ) -> Result<(), ClaimError> {
         let key = self.key(volume_id, alloc_id);
         if let Some(f) = &self.fencing {
@@ -367,7 +368,7 @@ impl EtcdClaims {
             .remove(&key)
             .or_else(|| self.recorded_epoch(volume_id, alloc_id));
         let Some(holder) = holder else {
-            return self.free_whoever_holds(&key, while_gone);
+            return self.free_whoever_holds(&key, while_gone, by_hand);
         };
         let known = self
             .known
@@ -438,7 +439,17 @@ impl EtcdClaims {
     /// alone (its entry, if any, is dropped as stale where it is found).
     /// `while_gone`: only while the holder's liveness key is absent, in the
     /// same `Txn`; a holder that is alive again keeps it (`Impossible`).
-    fn free_whoever_holds(&self, key: &str, while_gone: bool) -> Result<(), ClaimError> {
+    /// `by_hand`: only while the node that the operator's command saw
+    /// holds it, and with the `freed/` note in the same `Txn` (a crash or
+    /// an error between two writes would leave a claim gone without a
+    /// note, which its node could not tell from a lost one).
+    fn free_whoever_holds(
+        &self,
+        key: &str,
+        while_gone: bool,
+        by_hand: Option<&crate::claims::ByHand>,
+    ) -> Result<(), ClaimError> {
+        let note_lease = by_hand.map(|_| self.freed_note_lease()).transpose()?;
         for _ in 0..CONFLICT_ATTEMPTS {
             let Some(kv) = self.client.get(key).map_err(unavailable)? else {
                 self.known.lock().remove(key);
@@ -448,6 +459,31 @@ impl EtcdClaims {
             let mut compares = vec![same];
             let mut deletes = vec![TxnOp::delete(key.as_bytes())];
             let mut liveness = None;
+            if let (Some(hand), Some(lease)) = (by_hand, note_lease) {
+                let holder = parse(&kv).ok().map(|s| s.claim.node);
+                if holder.as_deref() != Some(hand.claim.node.as_str()) {
+                    return Err(ClaimError::Impossible {
+                        volume_id: stored_volume(key),
+                        reason: format!(
+                            "the claim changed since it was read (held by node {} then, {} now): look again",
+                            hand.claim.node,
+                            holder.as_deref().unwrap_or("none: the value is not a claim")
+                        ),
+                    });
+                }
+                let note = serde_json::json!({
+                    "claim": hand.claim, "reason": hand.reason, "freed_by_node": hand.by,
+                    "at_ms": super::now_ms(),
+                });
+                deletes.push(TxnOp::put_with_lease(
+                    format!(
+                        "{}/freed/{}/{}",
+                        self.prefix, hand.claim.volume_id, hand.claim.alloc_id
+                    ),
+                    note.to_string(),
+                    lease,
+                ));
+            }
             if let Ok(stored) = parse(&kv) {
                 deletes.push(TxnOp::delete(self.index_key_of(key, &stored.claim.node)));
                 if while_gone {
