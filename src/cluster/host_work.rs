@@ -156,7 +156,12 @@ impl Work {
             (Want::Detached, _) => None,
         };
         let result = match refused {
-            Some(why) => Err((why, false)),
+            // An earlier attempt may have attached it and lost its answer
+            // (etcd did not answer the write that records it): undone.
+            Some(why) => Err((
+                format!("{why} ({})", self.undo_attach(&rec, spec.as_ref())?),
+                false,
+            )),
             None => self.call(&rec, spec.as_ref()),
         };
         // An attach is recorded only while its claim holds with its epoch.
@@ -182,14 +187,7 @@ impl Work {
             return Ok(false);
         };
         // Gone during the call: undone before anything is recorded.
-        let undo = AttachmentRecord {
-            want: Want::Detached,
-            ..attempt.clone()
-        };
-        let undone = match self.call(&undo, spec.as_ref()) {
-            Ok(_) => "detached again".to_string(),
-            Err((e, _)) => format!("the detach failed too: {e}"),
-        };
+        let undone = self.undo_attach(&attempt, spec.as_ref())?;
         log::warn!(
             "controller host: volume {} attached to node {} for a claim that went meanwhile: {undone}",
             attempt.volume_id,
@@ -202,6 +200,52 @@ impl Work {
             Err((format!("{why} ({undone})"), false)),
         );
         self.finish(&kv, done_op)
+    }
+
+    /// Undoes an attach for a claim that is gone (ControllerUnpublish; a
+    /// volume never attached answers OK): says what was done. Left
+    /// attached while another claim of the volume on that node holds it
+    /// (another allocation there, or the same one's claim taken again):
+    /// the attachment is theirs. A detach that fails is an error (the
+    /// request is looked at again, and undone then).
+    fn undo_attach(
+        &self,
+        rec: &AttachmentRecord,
+        spec: Option<&Option<KeyValue>>,
+    ) -> Result<String, ClaimError> {
+        let claims = self
+            .claims
+            .client()
+            .range_prefix(format!(
+                "{}/claims/{}/",
+                self.claims.prefix(),
+                rec.volume_id
+            ))
+            .map_err(crate::claims::etcd::unavailable)?;
+        let theirs = claims.kvs.iter().find_map(|kv| {
+            let c = crate::claims::etcd::parse(kv).ok()?.claim;
+            (c.node == rec.node).then_some(c.alloc_id)
+        });
+        if let Some(alloc) = theirs {
+            return Ok(format!(
+                "left attached: allocation {alloc} on node {} holds the volume",
+                rec.node
+            ));
+        }
+        let undo = AttachmentRecord {
+            want: Want::Detached,
+            ..rec.clone()
+        };
+        match self.call(&undo, spec) {
+            Ok(_) => Ok("detached (again)".to_string()),
+            Err((e, _)) => Err(ClaimError::Unavailable {
+                store: "controller".to_string(),
+                reason: format!(
+                    "volume {} may be attached to node {} for a claim that is gone, and its detach failed: {e} (retried)",
+                    rec.volume_id, rec.node
+                ),
+            }),
+        }
     }
 
     /// Why the claim an attach request is for no longer holds (None: it

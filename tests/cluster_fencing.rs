@@ -1,5 +1,7 @@
-//! The reaper acts only on the absence it counted (issue 37): with real
-//! agents, a real etcd, real mounts and the test plugins' call logs.
+//! What the cluster does to a node's attachments (issue 37): the reaper
+//! acts only on the absence it counted, and a controller host undoes an
+//! attach whose claim is gone. Real agents, a real etcd, real mounts and
+//! the test plugins' call logs and controller state.
 //!
 //! The harness is tests/cluster_controller_support.
 
@@ -151,5 +153,60 @@ fn an_absence_interrupted_during_another_reap_is_counted_again() {
             .contains("node b registered again since it was first seen gone")
             || h.agent.log().contains("absences counted again"),
         "the reaper did not say it counts b's absence again"
+    );
+}
+
+/// Issue 37, item 5: a controller host whose ControllerPublish answered
+/// OK but whose write of the answer got no answer from etcd (its link cut
+/// during the call) returned before any undo; when it looked at the
+/// request again, the claim was gone, and it answered "failed" without a
+/// ControllerUnpublish: the volume stayed attached to a node that holds
+/// no claim of it. The host must undo it once etcd answers again. On
+/// 9347278 the plugin kept the attachment.
+#[test]
+fn an_attach_whose_answer_etcd_lost_is_undone_once_its_claim_is_gone() {
+    let mut c = Cluster::start(vec![host("h", &["a"]).proxied(), node_only("a")]);
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let h_faults = c.node("h").plugin.faults();
+    h_faults.set(json!([{
+        "method": "ControllerPublishVolume", "volume_id": "ext-v", "action": "delay",
+        "ms": 4000, "count": 1
+    }]));
+    // a's mount waits for the attach; the command gives up.
+    c.node("a").mount_waiting("p1", "data=v");
+    wait_until(SHOW_TIMEOUT, "the attach to reach h's plugin", || {
+        h_faults.rules().is_empty()
+    });
+    // The call goes on and attaches; its answer cannot be written.
+    c.node("h").cut();
+    wait_until(SHOW_TIMEOUT, "the attach to be done in h's plugin", || {
+        c.node("h").attachments() == [("ext-v".to_string(), ext("a"))]
+    });
+    // a goes away; its claim goes (as a reaper or an operator frees it).
+    c.node_mut("a").agent.kill();
+    c.wait_gone("a");
+    let key = format!("{PREFIX}/claims/v/p1");
+    let gone = c
+        .etcd
+        .client()
+        .delete_range(key.as_bytes(), b"")
+        .expect("delete in etcd");
+    assert_eq!(gone.deleted, 1, "{key} was not there");
+    c.node("h").heal();
+    wait_until(RETRY_TIMEOUT, "h to answer the request", || {
+        c.attachment("v", "a")
+            .is_some_and(|r| r["state"] == "failed")
+    });
+    let record = c.attachment("v", "a").expect("attachments/v/a");
+    assert!(
+        c.node("h").attachments().is_empty(),
+        "the volume stays attached to a: {:?} ({record})",
+        c.node("h").attachments()
+    );
+    let calls = c.node("h").volume_call_summary();
+    assert_eq!(
+        calls.last(),
+        Some(&(CUP.to_string(), ext("a"))),
+        "{calls:?}"
     );
 }
