@@ -180,3 +180,43 @@ fn a_claim_gone_without_a_note_and_taken_elsewhere_releases_its_allocation() {
     assert_eq!(c.holders("v"), ["q1"]);
     assert!(c.node("a").agent.log().contains("cannot be taken again"));
 }
+
+/// Issue 37, item 8: with `lease-clock.json` gone (deleted by hand, a
+/// state directory restored without it) on the same boot, the first
+/// self-release tick, before the registration, counted the node as cut
+/// off since forever and released every allocation, with etcd answering.
+/// It must wait for the registration first. On 9347278 p1 was released.
+#[test]
+fn a_lost_lease_clock_with_etcd_answering_releases_nothing() {
+    let mut c = Cluster::start(vec![nfs_node("a").stop_after_disconnect(STOP_AFTER)]);
+    c.add_volume(&volume());
+    let path = c.node("a").mount_ok("p1", "data=v");
+    let a = c.node_mut("a");
+    a.agent.kill();
+    let clock = a.agent.config.state_dir.join("lease-clock.json");
+    std::fs::remove_file(&clock).expect("remove lease-clock.json");
+    let log_from = a.agent.log().len();
+    a.start_agent();
+    let a = c.node("a");
+    // Either the self-release counts from the registration, or it
+    // released p1 (NodeUnpublish).
+    let counted = || {
+        a.agent.log()[log_from..].contains("lease clock was not known on this boot; it registered")
+    };
+    wait_until(SHOW_TIMEOUT, "the self-release to decide", || {
+        counted() || !a.calls_of(NUP).is_empty()
+    });
+    assert!(
+        !a.agent.log()[log_from..].contains("released while disconnected"),
+        "{}",
+        &a.agent.log()[log_from..]
+    );
+    assert!(
+        a.calls_of(NUP).is_empty(),
+        "p1 was released: {:?}",
+        a.calls_of(NUP)
+    );
+    assert!(counted());
+    assert!(is_mount_point(&path), "p1 was unmounted");
+    assert_eq!(c.holders("v"), ["p1"]);
+}

@@ -184,6 +184,25 @@ struct SelfRelease {
 }
 
 impl SelfRelease {
+    /// The lease clock is unknown on this boot (`lease-clock.json` missing
+    /// or unreadable): before the node counts as cut off since forever,
+    /// its first registration may answer (bounded by the lease TTL, the
+    /// registration's two calls at `call_timeout` each at most): once
+    /// registered, the renewal clock is known and the claims the cluster
+    /// freed meanwhile are released by the reconciliation. Without an
+    /// answer, everything is released as before, one TTL later.
+    fn wait_for_registration(&self) {
+        if self
+            .parts
+            .fencing
+            .wait_registered(self.parts.lease_ttl, &self.parts.shutdown)
+        {
+            log::info!(
+                "cluster: self-release: this node's lease clock was not known on this boot; it registered, so the window counts from its renewals"
+            );
+        }
+    }
+
     /// How long since the last answered renewal's send: from the lease
     /// clock (this run or the previous one of this boot). Unknown on this
     /// boot (the file missing or unreadable): as long ago as can be, since
@@ -199,6 +218,9 @@ impl SelfRelease {
     }
 
     fn tick(&mut self) {
+        if self.parts.fencing.since_last_sent().is_none() && !self.parts.rebooted {
+            self.wait_for_registration();
+        }
         let ago = self.since_renewal();
         if ago < self.window {
             self.released = false;
