@@ -220,3 +220,27 @@ fn a_lost_lease_clock_with_etcd_answering_releases_nothing() {
     assert!(is_mount_point(&path), "p1 was unmounted");
     assert_eq!(c.holders("v"), ["p1"]);
 }
+
+/// Issue 37, item 8: a node's liveness key deleted by hand (`etcdctl del`)
+/// while its lease lives was written again only at the node's next take:
+/// a node that took nothing stayed "gone", and the other nodes' reapers
+/// counted it so, towards fencing a live node. The node's own watch must
+/// have it written again. On 4cbb4f5 the key stayed gone.
+#[test]
+fn a_liveness_key_deleted_by_hand_is_written_again_without_a_take() {
+    let c = Cluster::start(vec![nfs_node("a"), nfs_node("b")]);
+    c.add_volume(&volume());
+    let path = c.node("a").mount_ok("p1", "data=v");
+    let key = format!("{PREFIX}/nodes/a");
+    let client = c.etcd.client();
+    let before = client.get(&key).expect("read etcd").expect("nodes/a");
+    let gone = client
+        .delete_range(key.as_bytes(), b"")
+        .expect("delete in etcd");
+    assert_eq!(gone.deleted, 1);
+    wait_until(SHOW_TIMEOUT, "nodes/a to be written again", || c.alive("a"));
+    let after = client.get(&key).expect("read etcd").expect("nodes/a");
+    assert_eq!(after.lease, before.lease, "not on the same lease");
+    assert!(is_mount_point(&path));
+    assert_eq!(c.holders("v"), ["p1"]);
+}

@@ -143,9 +143,20 @@ impl DisconnectRule {
         let max_gap = every * 3 + parts.call_timeout * 2;
         let mut guard = self.threads.lock();
         let threads = guard.get_or_insert_with(Threads::new);
+        // This node's own liveness key deleted while its lease lives (by
+        // hand): written again on the same lease, before the other nodes'
+        // reapers could count this node as gone for long.
+        let fencing = parts.claims.fencing().cloned();
+        let own_gone = move || {
+            if let Some(f) = fencing.as_ref().filter(|f| f.valid_lease().is_some()) {
+                log::warn!("cluster: this node's liveness key was deleted while its lease lives: writing it again");
+                f.ask_reregistration();
+            }
+        };
         let view = NodeView::start(
             parts.claims.client().clone(),
             parts.claims.prefix(),
+            (parts.node.clone(), Box::new(own_gone)),
             parts.shutdown.clone(),
             threads,
         )?;

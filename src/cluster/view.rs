@@ -118,9 +118,12 @@ pub struct NodeView {
 
 impl NodeView {
     /// Starts the `node-view` thread on `threads` (which joins it).
+    /// `own`: this node's name, and what to do when the watch sees its
+    /// liveness key deleted (by hand, or by its lease's end).
     pub fn start(
         client: EtcdClient,
         prefix: &str,
+        own: (String, Box<dyn Fn() + Send>),
         shutdown: Shutdown,
         threads: &mut Threads,
     ) -> std::io::Result<NodeView> {
@@ -132,6 +135,7 @@ impl NodeView {
             // One range holds both: `<prefix>/node`.
             range: format!("{}/node", prefix.trim_end_matches('/')),
             state: state.clone(),
+            own,
             shutdown,
         };
         threads.spawn("node-view", move || keeper.run())?;
@@ -153,6 +157,7 @@ struct Keeper {
     settings: String,
     range: String,
     state: Arc<Mutex<ViewState>>,
+    own: (String, Box<dyn Fn() + Send>),
     shutdown: Shutdown,
 }
 
@@ -223,6 +228,9 @@ impl Keeper {
                 nodes.alive.insert(node.to_string());
             } else {
                 nodes.alive.remove(node);
+                if node == self.own.0 && matches!(ev, WatchEvent::Delete(_)) {
+                    (self.own.1)();
+                }
             }
         } else if let Some(node) = key.strip_prefix(&self.settings) {
             if put {
