@@ -18,10 +18,13 @@
 //! cut link with an agent restart or power cut inside it, an etcd member
 //! cut from the other two (clients still on it), the etcd leader killed,
 //! a plugin restart, slow or late ControllerPublish/Unpublish; in a
-//! seed-chosen share of the rounds two of them overlap. Then everything
-//! is healed, the run settles, and the checker
-//! (`nemesis_support/checker.rs`, check (5) in `evidence.rs`) lists
-//! violations. With a controller host (one or two, chosen by the seed),
+//! seed-chosen share of the rounds two of them overlap. From a third
+//! stream (issue 37), some rounds are followed by a link flap (cut long
+//! enough to be counted gone, healed for about a TTL, cut again) or the
+//! node's liveness key deleted by hand. Then everything is healed, the
+//! run settles, and the checker (`nemesis_support/checker.rs`, check (5)
+//! in `evidence.rs`, check (6), no fence before a node's W, in
+//! `fences.rs`) lists violations. With a controller host (one or two, chosen by the seed),
 //! every plugin shares one storage that fences on ControllerUnpublish.
 //!
 //! Environment:
@@ -32,6 +35,8 @@
 //!                    seed chooses)
 //!   NEMESIS_HOSTS    `0`, `1` or `2`: force the number of controller
 //!                    hosts (else the seed chooses)
+//!   NEMESIS_FREE_UNFENCED  `on`/`off`: force `free_unfenced_claims` in a
+//!                    run with the window (else the seed chooses, half)
 //!   NEMESIS_OUT      keep the run's records here (default: a directory
 //!                    under /tmp, printed; removed after a clean run unless
 //!                    NEMESIS_KEEP=1)
@@ -53,6 +58,7 @@ use nemesis_support::checker::{self, EndState, Interval, Violation};
 use nemesis_support::etcd_cluster::EtcdCluster;
 use nemesis_support::evidence::{self, FinalFile};
 use nemesis_support::faults::{self, Kind, Plan};
+use nemesis_support::fences;
 use nemesis_support::nodes::*;
 use nemesis_support::rng::Rng;
 use nemesis_support::workload::{self, Release, Shared, VolSpec, RECORDS_FILE};
@@ -371,10 +377,19 @@ fn nemesis() {
             .collect();
         hosts.push(choose.pick(&others).to_string());
     }
+    // Drawn last (the draws before it are as they were): half of the
+    // runs with the window free the claims nothing can fence.
+    let free_unfenced = disconnect
+        && match env_u64("NEMESIS_FREE_UNFENCED").as_deref() {
+            Some("on") => true,
+            Some("off") => false,
+            _ => choose.chance(50),
+        };
     let settings = NodeSettings {
         lease_ttl: LEASE_TTL,
         stop_after_disconnect: disconnect.then_some(STOP_AFTER_DISCONNECT),
         controller_hosts: hosts.clone(),
+        free_unfenced,
     };
     let mut kinds = vec![
         Kind::AgentKill,
@@ -396,8 +411,13 @@ fn nemesis() {
         window_ms: 4000,
     };
     eprintln!(
-        "nemesis: {seconds} s; lease_ttl 2s; stop_after_disconnect {}; controller hosts {}",
+        "nemesis: {seconds} s; lease_ttl 2s; stop_after_disconnect {}{}; controller hosts {}",
         if disconnect { "4s" } else { "off" },
+        if free_unfenced {
+            " with free_unfenced_claims"
+        } else {
+            ""
+        },
         if hosts.is_empty() {
             "none (node-only plugins)".to_string()
         } else {
@@ -491,6 +511,13 @@ fn nemesis() {
             .spawn(move || evidence::watch_claims(&client, &stop, CLAIMS_POLL))
             .expect("start the claims watch")
     };
+    let liveness_watch = {
+        let (client, stop) = (etcd.client(), sampler_stop.clone());
+        thread::Builder::new()
+            .name("liveness-watch".into())
+            .spawn(move || fences::watch_liveness(&client, &stop, CLAIMS_POLL))
+            .expect("start the liveness watch")
+    };
 
     // ---- Workload and faults ----
     let deadline = Instant::now() + Duration::from_secs(seconds);
@@ -503,11 +530,11 @@ fn nemesis() {
                 .expect("start a client");
         }
         let (shared, nodes, etcd, plan) = (&shared, &mut nodes, &mut etcd, &plan);
-        let (r, extra) = (rng.fork(1), rng.fork(2));
+        let (r, extra, newer) = (rng.fork(1), rng.fork(2), rng.fork(3));
         thread::Builder::new()
             .name("faults".into())
             .spawn_scoped(s, move || {
-                faults::run(shared, nodes, etcd, r, extra, plan, deadline)
+                faults::run(shared, nodes, etcd, r, extra, newer, plan, deadline)
             })
             .expect("start the faults");
     });
@@ -566,6 +593,7 @@ fn nemesis() {
     sampler_stop.store(true, Ordering::SeqCst);
     let seen = sampler.join().expect("the sampler");
     let lives = claims_watch.join().expect("the claims watch");
+    let liveness = liveness_watch.join().expect("the liveness watch");
 
     // ---- Check ----
     let mut violations: Vec<Violation> = Vec::new();
@@ -613,6 +641,7 @@ fn nemesis() {
         let _ = fs::write(out_dir.join(format!("records-{}", v.id)), text);
     }
     let (reads_held, reads_unknown) = evidence::check_reads_held(&reads, &lives, &mut violations);
+    violations.extend(fences::check_fences(&liveness));
     evidence::write_reads(&out_dir.join("reads.jsonl"), &reads);
     let lives_json: Vec<Value> = lives
         .iter()
@@ -793,6 +822,8 @@ fn nemesis() {
         "records_checked": records_checked, "records_held_checked": held_checked,
         "reads": reads.len(), "reads_ok": reads_ok, "reads_checked": reads_checked,
         "acked": acked, "violations": violations.len(),
+        "free_unfenced": free_unfenced, "fence_requests": liveness.fences.len(),
+        "liveness_polls": liveness.polls,
         "infrastructure": shared.infrastructure.lock().expect("lock").clone(),
         "total_s": began.elapsed().as_secs()});
     eprintln!("nemesis: summary-json {summary}");

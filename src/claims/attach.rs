@@ -139,14 +139,17 @@ impl EtcdClaims {
                         error: old.error.clone(),
                         retryable: old.retryable,
                         updated_at_ms: now,
-                        ..fresh(req, want, now)
+                        ..fresh(req, want, now, self.node_name())
                     };
                     (
                         Compare::mod_revision(key.clone(), CompareOp::Equal, *revision),
                         rec,
                     )
                 }
-                None => (Compare::absent(key.clone()), fresh(req, want, now)),
+                None => (
+                    Compare::absent(key.clone()),
+                    fresh(req, want, now, self.node_name()),
+                ),
             };
             let value = serde_json::to_vec(&rec).expect("a request always encodes");
             let mut compares = vec![compare];
@@ -308,7 +311,7 @@ impl EtcdClaims {
     }
 }
 
-fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
+fn fresh(req: &AttachRequest, want: Want, now: u64, by: &str) -> AttachmentRecord {
     AttachmentRecord {
         volume_id: req.volume_id.clone(),
         node: req.node.clone(),
@@ -333,6 +336,7 @@ fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
             Want::Attached => req.epoch,
             Want::Detached => 0,
         },
+        requested_by: (!by.is_empty()).then(|| by.to_string()),
     }
 }
 

@@ -16,7 +16,9 @@
 //!     claim and target) nor released (none of them left, its target
 //!     unpublished by a NodeUnpublish); a released one with something left;
 //! (5) in `evidence.rs`: what readers saw and when holders read or wrote,
-//!     against the records files at the end and the claims' lives in etcd.
+//!     against the records files at the end and the claims' lives in etcd;
+//! (6) in `fences.rs`: a fence of a node requested before its W had run
+//!     out since its liveness key was last seen.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;

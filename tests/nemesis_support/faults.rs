@@ -39,6 +39,11 @@ const OVERLAP_PERCENT: u64 = 40;
 /// The chance (percent) that an agent kill is a power cut that loses the
 /// state writes the design allows to lose.
 const LOSS_PERCENT: u64 = 50;
+/// The chance (percent) that a round is followed by one of the faults
+/// added with issue 37 (`NEWER_KINDS`), drawn from a third stream so that
+/// a seed keeps the rounds it drew before they existed.
+const NEWER_PERCENT: u64 = 30;
+const NEWER_KINDS: [Kind; 2] = [Kind::LinkFlap, Kind::LivenessDeleted];
 /// How often the executor looks at due steps and restarting agents.
 const TICK: Duration = Duration::from_millis(10);
 
@@ -53,6 +58,12 @@ pub enum Kind {
     LeaderKill,
     PluginRestart,
     SlowController,
+    /// A link cut long enough to be counted gone, healed for about a TTL
+    /// (the node registers again), cut again: an absence interrupted
+    /// while a reaper may be busy.
+    LinkFlap,
+    /// The node's liveness key deleted by hand while its lease lives.
+    LivenessDeleted,
 }
 
 impl Kind {
@@ -67,6 +78,8 @@ impl Kind {
             Kind::LeaderKill => "etcd-leader-kill",
             Kind::PluginRestart => "plugin-restart",
             Kind::SlowController => "slow-controller",
+            Kind::LinkFlap => "link-flap",
+            Kind::LivenessDeleted => "liveness-key-deleted",
         }
     }
 
@@ -120,6 +133,7 @@ enum Action {
     StartPlugin(usize),
     SetSlow(usize, Value),
     ClearSlow(usize),
+    DeleteLiveness(usize),
 }
 
 impl Action {
@@ -141,6 +155,7 @@ impl Action {
             Action::StartPlugin(_) => "start-plugin",
             Action::SetSlow(..) => "slow-controller-on",
             Action::ClearSlow(_) => "slow-controller-off",
+            Action::DeleteLiveness(_) => "delete-liveness-key",
         }
     }
 }
@@ -312,6 +327,25 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
             ev["down_ms"] = json!(down);
             vec![(0, Action::KillLeader), (down, Action::RestartLeader)]
         }
+        Kind::LinkFlap => {
+            let first = pick(ttl + 500, ttl + w + 3000, d.d1);
+            let healed = pick(ttl / 2, ttl * 2, d.d2);
+            let second = pick(500, ttl + w + 3000, d.d1 ^ d.d2);
+            ev["node"] = json!(node);
+            ev["first_ms"] = json!(first);
+            ev["healed_ms"] = json!(healed);
+            ev["second_ms"] = json!(second);
+            vec![
+                (0, Action::CutLink(d.node, Cut::Both)),
+                (first, Action::HealLink(d.node)),
+                (first + healed, Action::CutLink(d.node, Cut::Both)),
+                (first + healed + second, Action::HealLink(d.node)),
+            ]
+        }
+        Kind::LivenessDeleted => {
+            ev["node"] = json!(node);
+            vec![(0, Action::DeleteLiveness(d.node))]
+        }
         Kind::PluginRestart => {
             let down = pick(0, 1500, d.d1);
             ev["node"] = json!(node);
@@ -374,12 +408,14 @@ fn compatible(first: &Fault, second: &Fault, k1: Kind, k2: Kind) -> bool {
 
 /// Injects faults until `deadline`; every fault is undone before the next
 /// round and before this returns.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     shared: &Arc<Shared>,
     nodes: &mut [Node],
     etcd: &mut EtcdCluster,
     mut rng: Rng,
     mut extra: Rng,
+    mut newer: Rng,
     plan: &Plan,
     deadline: Instant,
 ) {
@@ -396,6 +432,11 @@ pub fn run(
         let lossy2 = extra.chance(LOSS_PERCENT);
         let loss2 = extra.next_u64();
         let offset = extra.next_u64();
+        // The third stream: a round of a newer fault after this one.
+        let then_newer = newer.chance(NEWER_PERCENT);
+        let newer_kind = *newer.pick(&NEWER_KINDS);
+        let (newer_node, newer_gap) = (newer.index(nodes.len()), newer.range(300, 2500));
+        let (g1, g2) = (newer.next_u64(), newer.next_u64());
         hold(gap);
         revive_crashed(shared, nodes);
         if Instant::now() >= deadline {
@@ -456,6 +497,34 @@ pub fn run(
         for mut f in faults {
             f.ev["end_ms"] = json!(shared.since_ms());
             shared.event(std::mem::take(&mut f.ev));
+        }
+        if !then_newer {
+            continue;
+        }
+        hold(newer_gap);
+        revive_crashed(shared, nodes);
+        if Instant::now() >= deadline {
+            return;
+        }
+        round += 1;
+        let d = Draw {
+            kind: newer_kind,
+            node: newer_node,
+            member: 0,
+            d1: g1,
+            d2: g2,
+            lossy: false,
+            loss: 0,
+        };
+        let start = shared.since_ms();
+        if let Some(mut f) = build(d, plan, nodes, start) {
+            f.ev["round"] = json!(round);
+            let mut one = vec![f];
+            execute(shared, nodes, etcd, &mut one);
+            for mut f in one {
+                f.ev["end_ms"] = json!(shared.since_ms());
+                shared.event(std::mem::take(&mut f.ev));
+            }
         }
     }
 }
@@ -616,5 +685,12 @@ fn step(
         Action::StartPlugin(ni) => nodes[ni].plugin.restart(),
         Action::SetSlow(h, rules) => nodes[h].plugin.faults().set(rules),
         Action::ClearSlow(h) => nodes[h].plugin.faults().clear(),
+        Action::DeleteLiveness(ni) => {
+            let key = format!("{}/nodes/{}", super::nodes::PREFIX, nodes[ni].name);
+            match etcd.client().delete_range(key.as_bytes(), b"") {
+                Ok(r) => f.ev["deleted"] = json!(r.deleted),
+                Err(e) => f.ev["error"] = json!(e.to_string()),
+            }
+        }
     }
 }

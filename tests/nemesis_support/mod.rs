@@ -12,6 +12,7 @@ pub mod checker;
 pub mod etcd_cluster;
 pub mod evidence;
 pub mod faults;
+pub mod fences;
 pub mod nodes;
 pub mod power_cut;
 pub mod proxy;

@@ -38,6 +38,8 @@ pub struct NodeSettings {
     /// The nodes whose plugins serve the controller side (for every
     /// node): none, one or two.
     pub controller_hosts: Vec<String>,
+    /// `cluster.free_unfenced_claims` (with the window only).
+    pub free_unfenced: bool,
 }
 
 pub struct Node {
@@ -91,6 +93,9 @@ impl Node {
         cluster["call_timeout"] = json!("1s");
         if let Some(d) = settings.stop_after_disconnect {
             cluster["stop_after_disconnect"] = json!(format!("{}ms", d.as_millis()));
+            if settings.free_unfenced {
+                cluster["free_unfenced_claims"] = json!(true);
+            }
         }
         if !settings.controller_hosts.is_empty() {
             cluster["fencing_plugins"] = json!([PLUGIN_ID]);
