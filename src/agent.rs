@@ -253,6 +253,15 @@ impl Agent {
         if let Some(c) = &config.cluster {
             opts.attach_timeout = c.attach_timeout;
             opts.epoch_plugins = c.epoch_plugins.clone();
+            for p in c
+                .fencing_plugins
+                .iter()
+                .filter(|p| !c.epoch_plugins.contains(p))
+            {
+                log::warn!(
+                    "cluster: fencing plugin {p} is not in cluster.epoch_plugins: a call up that a paused node sends after the cluster fenced it reaches the plugin without the claim's epoch, and only the plugin's own fence can refuse it (README, Safety)"
+                );
+            }
         }
         let rebooted = store.rebooted();
         let lifecycle = Lifecycle::new(store, claims, registry.clone(), opts, shutdown.clone());

@@ -114,10 +114,15 @@ pub fn tau(check_period: Duration) -> Duration {
     check_period + SCHEDULING_DELAY
 }
 
-/// U for a node whose CSI calls have `csi_call` as deadline: NodeUnpublish
-/// and NodeUnstage, each at its deadline.
+/// U for a node whose CSI calls have `csi_call` as deadline, each term at
+/// its deadline: a call up sent just before the window ran out (allowed
+/// without etcd until s + D) still running; the release's wait for a call
+/// whose outcome is unknown before it tears down; then NodeUnpublish and
+/// NodeUnstage. It assumes the node plugin answers: one that does not
+/// (not ready at the release) can keep the volume mounted past it, and
+/// only a fence protects then (README, Safety).
 pub fn unmount_bound(csi_call: Duration) -> Duration {
-    csi_call * 2
+    csi_call * 4
 }
 
 /// W: how long an observer waits, after it first saw a node's liveness
@@ -594,6 +599,17 @@ mod tests {
         assert!(check_margins(ttl, d, u, t).is_ok());
         let w = observer_wait(d, u, t);
         assert!(w > d + u + t);
+    }
+
+    /// U covers what the release does after the window ran out, each at
+    /// the CSI deadline: a call up still running, the wait for a call of
+    /// unknown outcome, NodeUnpublish, NodeUnstage (until 2026-12-05 only
+    /// the last two: issue 37, item 6).
+    #[test]
+    fn the_unmount_bound_covers_a_call_up_in_flight_and_the_uncertain_wait() {
+        let c = Duration::from_secs(7);
+        let (call_up, uncertain, unpublish, unstage) = (c, c, c, c);
+        assert!(unmount_bound(c) >= call_up + uncertain + unpublish + unstage);
     }
 
     #[test]
