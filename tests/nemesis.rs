@@ -20,8 +20,10 @@
 //! a plugin restart, slow or late ControllerPublish/Unpublish; in a
 //! seed-chosen share of the rounds two of them overlap. From a third
 //! stream (issue 37), some rounds are followed by a link flap (cut long
-//! enough to be counted gone, healed for about a TTL, cut again) or the
-//! node's liveness key deleted by hand. Then everything is healed, the
+//! enough to be counted gone, healed for about a TTL, cut again), the
+//! node's liveness key deleted by hand, or a link cut longer than TTL + W
+//! (the other nodes' reapers fence and free; the older faults all heal
+//! before that). Then everything is healed, the
 //! run settles, and the checker (`nemesis_support/checker.rs`, check (5)
 //! in `evidence.rs`, check (6), no fence before a node's W, in
 //! `fences.rs`) lists violations. With a controller host (one or two, chosen by the seed),
@@ -90,6 +92,8 @@ const DEFAULT_SECONDS: u64 = 40;
 const NODES: [&str; 3] = ["a", "b", "c"];
 const LEASE_TTL: Duration = Duration::from_secs(2);
 const STOP_AFTER_DISCONNECT: Duration = Duration::from_secs(4);
+/// The agents' `csi_call_timeout` (`nemesis_support/nodes.rs`).
+const CSI_CALL: Duration = Duration::from_secs(3);
 /// How long the healed cluster may take to have nothing in flight.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long releases that could not be delivered are retried after heal.
@@ -405,10 +409,20 @@ fn nemesis() {
     if !hosts.is_empty() {
         kinds.push(Kind::SlowController);
     }
+    let reap = {
+        use claimd::claims::fencing;
+        LEASE_TTL
+            + fencing::observer_wait(
+                STOP_AFTER_DISCONNECT,
+                fencing::unmount_bound(CSI_CALL),
+                fencing::tau(fencing::self_release_period(LEASE_TTL)),
+            )
+    };
     let plan = Plan {
         kinds,
         lease_ttl_ms: 2000,
         window_ms: 4000,
+        reap_ms: reap.as_millis() as u64,
     };
     eprintln!(
         "nemesis: {seconds} s; lease_ttl 2s; stop_after_disconnect {}{}; controller hosts {}",
@@ -511,12 +525,12 @@ fn nemesis() {
             .spawn(move || evidence::watch_claims(&client, &stop, CLAIMS_POLL))
             .expect("start the claims watch")
     };
-    let liveness_watch = {
+    let revision_polls = {
         let (client, stop) = (etcd.client(), sampler_stop.clone());
         thread::Builder::new()
-            .name("liveness-watch".into())
-            .spawn(move || fences::watch_liveness(&client, &stop, CLAIMS_POLL))
-            .expect("start the liveness watch")
+            .name("revision-polls".into())
+            .spawn(move || fences::poll_revisions(&client, &stop, CLAIMS_POLL))
+            .expect("start the revision polls")
     };
 
     // ---- Workload and faults ----
@@ -593,7 +607,7 @@ fn nemesis() {
     sampler_stop.store(true, Ordering::SeqCst);
     let seen = sampler.join().expect("the sampler");
     let lives = claims_watch.join().expect("the claims watch");
-    let liveness = liveness_watch.join().expect("the liveness watch");
+    let polls = revision_polls.join().expect("the revision polls");
 
     // ---- Check ----
     let mut violations: Vec<Violation> = Vec::new();
@@ -641,7 +655,7 @@ fn nemesis() {
         let _ = fs::write(out_dir.join(format!("records-{}", v.id)), text);
     }
     let (reads_held, reads_unknown) = evidence::check_reads_held(&reads, &lives, &mut violations);
-    violations.extend(fences::check_fences(&liveness));
+
     evidence::write_reads(&out_dir.join("reads.jsonl"), &reads);
     let lives_json: Vec<Value> = lives
         .iter()
@@ -725,10 +739,10 @@ fn nemesis() {
             format!("{}\n{}\n{}\n{}", st.stdout, st.stderr, cl.stdout, cl.stderr),
         );
     }
-    write_lines(
-        &out_dir.join("etcd-history.jsonl"),
-        &etcd_history(&harness_etcd),
-    );
+    let history = etcd_history(&harness_etcd);
+    let (early, acts) = fences::check_acts(&history, &polls);
+    violations.extend(early);
+    write_lines(&out_dir.join("etcd-history.jsonl"), &history);
     for m in &etcd.members {
         let _ = fs::copy(m.log_path(), out_dir.join(format!("etcd-{}.log", m.name)));
     }
@@ -822,8 +836,8 @@ fn nemesis() {
         "records_checked": records_checked, "records_held_checked": held_checked,
         "reads": reads.len(), "reads_ok": reads_ok, "reads_checked": reads_checked,
         "acked": acked, "violations": violations.len(),
-        "free_unfenced": free_unfenced, "fence_requests": liveness.fences.len(),
-        "liveness_polls": liveness.polls,
+        "free_unfenced": free_unfenced, "fences": acts.fences, "reaper_frees": acts.frees,
+        "acts_unbounded": acts.unknown, "revision_polls": polls.len(),
         "infrastructure": shared.infrastructure.lock().expect("lock").clone(),
         "total_s": began.elapsed().as_secs()});
     eprintln!("nemesis: summary-json {summary}");

@@ -146,10 +146,12 @@ impl DisconnectRule {
         // This node's own liveness key deleted while its lease lives (by
         // hand): written again on the same lease, before the other nodes'
         // reapers could count this node as gone for long.
+        // (Asked whatever this node's clock says of its lease: the
+        // liveness thread acts only while it holds one.)
         let fencing = parts.claims.fencing().cloned();
         let own_gone = move || {
-            if let Some(f) = fencing.as_ref().filter(|f| f.valid_lease().is_some()) {
-                log::warn!("cluster: this node's liveness key was deleted while its lease lives: writing it again");
+            if let Some(f) = fencing.as_ref().filter(|f| f.registered_lease().is_some()) {
+                log::warn!("cluster: this node's liveness key is gone while this agent holds a lease: writing it again");
                 f.ask_reregistration();
             }
         };

@@ -206,8 +206,9 @@ impl Work {
     /// volume never attached answers OK): says what was done. Left
     /// attached while another claim of the volume on that node holds it
     /// (another allocation there, or the same one's claim taken again):
-    /// the attachment is theirs. A detach that fails is an error (the
-    /// request is looked at again, and undone then).
+    /// the attachment is theirs. A detach that fails and may succeed if
+    /// asked again is an error (the request is looked at again, and undone
+    /// then); one that cannot is said in the answer.
     fn undo_attach(
         &self,
         rec: &AttachmentRecord,
@@ -238,7 +239,10 @@ impl Work {
         };
         match self.call(&undo, spec) {
             Ok(_) => Ok("detached (again)".to_string()),
-            Err((e, _)) => Err(ClaimError::Unavailable {
+            // Asking again cannot help (the volume is no longer
+            // registered, the plugin refuses for good): said in the answer.
+            Err((e, false)) => Ok(format!("the detach failed: {e}")),
+            Err((e, true)) => Err(ClaimError::Unavailable {
                 store: "controller".to_string(),
                 reason: format!(
                     "volume {} may be attached to node {} for a claim that is gone, and its detach failed: {e} (retried)",

@@ -336,7 +336,10 @@ fn run(
                         (hooks.on_registered)();
                     }
                     Err(e) => {
-                        log::warn!("cluster: cannot write {key} again: {e} (retried at the next take that finds it gone)")
+                        // Asked again: retried at the next renewal, until
+                        // the key is back or the lease is lost.
+                        fencing.ask_reregistration();
+                        log::warn!("cluster: cannot write {key} again: {e} (retrying)")
                     }
                 }
             }

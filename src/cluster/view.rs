@@ -193,6 +193,11 @@ impl Keeper {
             for kv in &read.kvs {
                 self.apply(&mut s.nodes, &WatchEvent::Put(kv.clone()));
             }
+            // A delete while no watch ran (a reconnect after a leader
+            // change) shows only as a key missing from the read.
+            if !s.nodes.alive.contains(&self.own.0) {
+                (self.own.1)();
+            }
             // Current as of the read: the watch starts right after it.
             s.current_at = Some(Instant::now());
         }
@@ -228,7 +233,7 @@ impl Keeper {
                 nodes.alive.insert(node.to_string());
             } else {
                 nodes.alive.remove(node);
-                if node == self.own.0 && matches!(ev, WatchEvent::Delete(_)) {
+                if node == self.own.0 {
                     (self.own.1)();
                 }
             }

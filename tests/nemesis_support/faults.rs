@@ -43,7 +43,7 @@ const LOSS_PERCENT: u64 = 50;
 /// added with issue 37 (`NEWER_KINDS`), drawn from a third stream so that
 /// a seed keeps the rounds it drew before they existed.
 const NEWER_PERCENT: u64 = 30;
-const NEWER_KINDS: [Kind; 2] = [Kind::LinkFlap, Kind::LivenessDeleted];
+const NEWER_KINDS: [Kind; 3] = [Kind::LinkFlap, Kind::LivenessDeleted, Kind::LongCut];
 /// How often the executor looks at due steps and restarting agents.
 const TICK: Duration = Duration::from_millis(10);
 
@@ -64,6 +64,9 @@ pub enum Kind {
     LinkFlap,
     /// The node's liveness key deleted by hand while its lease lives.
     LivenessDeleted,
+    /// A link cut longer than TTL + W: the other nodes' reapers act on
+    /// the node's volumes (the faults above heal before that).
+    LongCut,
 }
 
 impl Kind {
@@ -80,6 +83,7 @@ impl Kind {
             Kind::SlowController => "slow-controller",
             Kind::LinkFlap => "link-flap",
             Kind::LivenessDeleted => "liveness-key-deleted",
+            Kind::LongCut => "long-link-cut",
         }
     }
 
@@ -95,6 +99,9 @@ pub struct Plan {
     pub lease_ttl_ms: u64,
     /// stop_after_disconnect, or the window a fault is sized for without it.
     pub window_ms: u64,
+    /// TTL + W: how long a node must be cut off before another node's
+    /// reaper acts on its volumes.
+    pub reap_ms: u64,
 }
 
 /// The values one fault is made from (drawn every round, used or not).
@@ -328,9 +335,12 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
             vec![(0, Action::KillLeader), (down, Action::RestartLeader)]
         }
         Kind::LinkFlap => {
-            let first = pick(ttl + 500, ttl + w + 3000, d.d1);
+            // Cuts long enough for a reap (half of them), healed for about
+            // a TTL in between.
+            let reap = plan.reap_ms;
+            let first = pick(ttl + 500, reap + 5000, d.d1);
             let healed = pick(ttl / 2, ttl * 2, d.d2);
-            let second = pick(500, ttl + w + 3000, d.d1 ^ d.d2);
+            let second = pick(500, reap + 5000, d.d1 ^ d.d2);
             ev["node"] = json!(node);
             ev["first_ms"] = json!(first);
             ev["healed_ms"] = json!(healed);
@@ -345,6 +355,15 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
         Kind::LivenessDeleted => {
             ev["node"] = json!(node);
             vec![(0, Action::DeleteLiveness(d.node))]
+        }
+        Kind::LongCut => {
+            let held = pick(plan.reap_ms, plan.reap_ms + 6000, d.d1);
+            ev["node"] = json!(node);
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::CutLink(d.node, Cut::Both)),
+                (held, Action::HealLink(d.node)),
+            ]
         }
         Kind::PluginRestart => {
             let down = pick(0, 1500, d.d1);

@@ -1,164 +1,186 @@
-//! Check (6): no node is fenced early. The cluster may fence a node (a
-//! detach request another node's reaper writes for it) only once it has
-//! been gone for its W (`observer_wait`, from its published settings)
-//! since its liveness key went.
+//! Check (6): the cluster acts on a node only once it has been gone for
+//! its W (`observer_wait`, from the settings the node had published at
+//! the time) since its liveness key went. An act is a fence request
+//! (`attachments/<volume>/<node>` written pending, want detached, by
+//! another node: `requested_by`) or a reaper's free (a `freed/` note, by
+//! another node, for a disconnect), both read from etcd's full history at
+//! the end of the run, so none is missed however fast it was answered.
 //!
-//! The harness polls `nodes/`, `node-settings/` and `attachments/` in one
-//! `Txn` per period (`watch_liveness`), noting each poll's send time, its
-//! revision, which nodes were present, and every fence request first seen
-//! (want detached, pending, `requested_by` another node) with the
-//! monotonic time its poll returned and its mod revision. A node's
-//! absence began after the send of the last poll, at a revision below the
-//! request's, that still showed its key; the request was written before
-//! the return of the poll that first showed it. So
-//! `seen - last_present_send` is longer than the real gap between the
-//! key's end and the request: a check against it never blames a fence the
-//! agents made in time, however slow a poll was (a slow poll only makes
-//! the check less sharp).
+//! etcd keeps revisions, not times. The harness polls etcd's revision
+//! every period (`poll_revisions`), noting each poll's send and return
+//! time (monotonic). A write at revision r came after the send of the last
+//! poll that answered a revision below r, and before the return of the
+//! first poll that answered r or later. So for a key deleted at revision d
+//! and an act at revision a, `return(a) - send(d)` is longer than the real
+//! gap: a check against it never blames an act the agents made in time,
+//! however slow a poll was (a slow poll only makes the check less sharp).
+//! An act of a node whose key is present at its revision is a violation
+//! too (every act's `Txn` compares it absent).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
 use claimd::cluster::NodeSettings;
-use claimd::etcd::{TxnOp, TxnOpResponse};
 use serde_json::Value;
 
 use super::checker::Violation;
 use super::nodes::PREFIX;
 use super::workload::monotonic_ns;
 
-/// One fence request, as first seen.
-#[derive(Clone, Debug)]
-pub struct FenceSeen {
-    pub volume: String,
-    pub node: String,
-    pub by: String,
-    pub revision: i64,
-    pub seen_ns: u128,
-}
+/// (revision answered, send time, return time) of each poll.
+pub type Polls = Vec<(i64, u128, u128)>;
 
-#[derive(Debug, Default)]
-pub struct LivenessSeen {
-    /// Per node: (poll revision, poll send time) of the polls that showed
-    /// its liveness key.
-    pub present: BTreeMap<String, Vec<(i64, u128)>>,
-    /// Per node: W from its settings as last read (None: no window, the
-    /// cluster never acts on it).
-    pub waits: BTreeMap<String, Option<Duration>>,
-    pub fences: Vec<FenceSeen>,
-    pub polls: usize,
-}
-
-/// Polls until `stop`.
-pub fn watch_liveness(
+/// Polls etcd's revision until `stop`.
+pub fn poll_revisions(
     etcd: &claimd::etcd::EtcdClient,
     stop: &AtomicBool,
     period: Duration,
-) -> LivenessSeen {
-    let mut seen = LivenessSeen::default();
-    let mut known: BTreeSet<(String, i64)> = BTreeSet::new();
-    let prefixes = ["nodes/", "node-settings/", "attachments/"].map(|p| format!("{PREFIX}/{p}"));
+) -> Polls {
+    let mut out = Vec::new();
+    let key = format!("{PREFIX}/nodes/");
     while !stop.load(Ordering::SeqCst) {
         let sent = monotonic_ns();
-        let read = etcd.txn(
-            &[],
-            &prefixes
-                .iter()
-                .map(|p| TxnOp::get_prefix(p.clone()))
-                .collect::<Vec<_>>(),
-            &[],
-        );
-        let back = monotonic_ns();
-        if let Ok(t) = read {
-            seen.polls += 1;
-            let ranges: Vec<_> = t
-                .responses
-                .iter()
-                .filter_map(|r| match r {
-                    TxnOpResponse::Range(r) => Some(r),
-                    _ => None,
-                })
-                .collect();
-            if let [nodes, settings, attachments] = ranges[..] {
-                for kv in &nodes.kvs {
-                    let node = kv.key_str()[prefixes[0].len()..].to_string();
-                    seen.present
-                        .entry(node)
-                        .or_default()
-                        .push((t.revision, sent));
-                }
-                for kv in &settings.kvs {
-                    let node = kv.key_str()[prefixes[1].len()..].to_string();
-                    let w = serde_json::from_slice::<NodeSettings>(&kv.value)
-                        .ok()
-                        .and_then(|s| s.observer_wait());
-                    seen.waits.insert(node, w);
-                }
-                for kv in &attachments.kvs {
-                    let key = kv.key_str().to_string();
-                    let rec: Value = serde_json::from_slice(&kv.value).unwrap_or(Value::Null);
-                    let (Some(node), Some(by)) =
-                        (rec["node"].as_str(), rec["requested_by"].as_str())
-                    else {
-                        continue;
-                    };
-                    // The request as written (a host's answer rewrites it
-                    // later, at a revision that says nothing of the fence).
-                    if rec["want"] != "detached" || rec["state"] != "pending" || by == node {
-                        continue;
-                    }
-                    if known.insert((key, kv.mod_revision)) {
-                        seen.fences.push(FenceSeen {
-                            volume: rec["volume_id"].as_str().unwrap_or("?").to_string(),
-                            node: node.to_string(),
-                            by: by.to_string(),
-                            revision: kv.mod_revision,
-                            seen_ns: back,
-                        });
-                    }
-                }
-            }
+        if let Ok(r) = etcd.range_prefix(&key) {
+            out.push((r.revision, sent, monotonic_ns()));
         }
         thread::sleep(period);
     }
-    seen
+    out
 }
 
-/// Check (6) on what the polls saw.
-pub fn check_fences(seen: &LivenessSeen) -> Vec<Violation> {
+/// What check (6) looked at.
+#[derive(Debug, Default)]
+pub struct FenceFigures {
+    pub fences: usize,
+    pub frees: usize,
+    /// Acts outside the polled span (their times cannot be bounded).
+    pub unknown: usize,
+}
+
+/// Per node, as the history stands at some revision.
+#[derive(Default)]
+struct NodeSeen {
+    /// The revision its key was deleted at; None while it exists (or
+    /// before it ever did).
+    gone_at: Option<i64>,
+    present: bool,
+    wait: Option<Duration>,
+}
+
+/// Check (6) on etcd's history (`etcd_history`'s lines) and the polls.
+pub fn check_acts(history: &[Value], polls: &Polls) -> (Vec<Violation>, FenceFigures) {
     let mut out = Vec::new();
-    for f in &seen.fences {
-        let wait = seen.waits.get(&f.node).copied().flatten();
-        let last_present = seen
-            .present
-            .get(&f.node)
-            .and_then(|p| p.iter().rev().find(|(rev, _)| *rev < f.revision))
-            .map(|(_, sent)| *sent);
-        let (Some(wait), Some(last)) = (wait, last_present) else {
-            if wait.is_none() {
-                out.push(Violation {
-                    check: 6,
-                    text: format!(
-                        "node {} fenced from volume {} by {} (revision {}), but it has no stop_after_disconnect: the cluster never acts on it",
-                        f.node, f.volume, f.by, f.revision
-                    ),
-                });
-            }
+    let mut figures = FenceFigures::default();
+    let mut nodes: BTreeMap<String, NodeSeen> = BTreeMap::new();
+    // The send of the last poll below `rev`; the return of the first at or
+    // above it.
+    let after = |rev: i64| polls.iter().rev().find(|p| p.0 < rev).map(|p| p.1);
+    let before = |rev: i64| polls.iter().find(|p| p.0 >= rev).map(|p| p.2);
+    let nodes_p = format!("{PREFIX}/nodes/");
+    let settings_p = format!("{PREFIX}/node-settings/");
+    let attach_p = format!("{PREFIX}/attachments/");
+    let freed_p = format!("{PREFIX}/freed/");
+    for e in history {
+        let (Some(key), Some(rev), Some(op)) =
+            (e["key"].as_str(), e["rev"].as_i64(), e["op"].as_str())
+        else {
             continue;
         };
-        let gap =
-            Duration::from_nanos(u64::try_from(f.seen_ns.saturating_sub(last)).unwrap_or(u64::MAX));
+        let put = op == "put";
+        let value: Value = e["value"]
+            .as_str()
+            .and_then(|v| serde_json::from_str(v).ok())
+            .unwrap_or(Value::Null);
+        if let Some(n) = key.strip_prefix(&nodes_p) {
+            let s = nodes.entry(n.to_string()).or_default();
+            s.present = put;
+            s.gone_at = (!put).then_some(rev);
+            continue;
+        }
+        if let Some(n) = key.strip_prefix(&settings_p) {
+            if put {
+                let w = serde_json::from_value::<NodeSettings>(value)
+                    .ok()
+                    .and_then(|s| s.observer_wait());
+                nodes.entry(n.to_string()).or_default().wait = w;
+            }
+            continue;
+        }
+        // The act, its node and who did it.
+        let act = if key.starts_with(&attach_p) {
+            let (Some(node), Some(by)) = (value["node"].as_str(), value["requested_by"].as_str())
+            else {
+                continue;
+            };
+            if !put || value["want"] != "detached" || value["state"] != "pending" || by == node {
+                continue;
+            }
+            figures.fences += 1;
+            (
+                "fenced",
+                node.to_string(),
+                by.to_string(),
+                value["volume_id"].clone(),
+            )
+        } else if key.starts_with(&freed_p) {
+            let (Some(node), Some(by)) = (
+                value["claim"]["node"].as_str(),
+                value["freed_by_node"].as_str(),
+            ) else {
+                continue;
+            };
+            let reaper = value["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("disconnected"));
+            if !put || by == node || !reaper {
+                continue;
+            }
+            figures.frees += 1;
+            (
+                "freed",
+                node.to_string(),
+                by.to_string(),
+                value["claim"]["volume_id"].clone(),
+            )
+        } else {
+            continue;
+        };
+        let (what, node, by, volume) = act;
+        let s = nodes.entry(node.clone()).or_default();
+        if s.present {
+            out.push(Violation {
+                check: 6,
+                text: format!(
+                    "node {node} {what} (volume {volume}) by {by} at revision {rev} while its liveness key existed"
+                ),
+            });
+            continue;
+        }
+        let Some(wait) = s.wait else {
+            out.push(Violation {
+                check: 6,
+                text: format!(
+                    "node {node} {what} (volume {volume}) by {by} at revision {rev}, but it has no stop_after_disconnect: the cluster never acts on it"
+                ),
+            });
+            continue;
+        };
+        let gone_at = s.gone_at.unwrap_or(0);
+        let (Some(from), Some(to)) = (after(gone_at), before(rev)) else {
+            figures.unknown += 1;
+            continue;
+        };
+        let gap = Duration::from_nanos(u64::try_from(to.saturating_sub(from)).unwrap_or(u64::MAX));
         if gap < wait {
             out.push(Violation {
                 check: 6,
                 text: format!(
-                    "node {} fenced from volume {} by {} (revision {}) at most {gap:?} after its liveness key was last seen, before its W of {wait:?}",
-                    f.node, f.volume, f.by, f.revision
+                    "node {node} {what} (volume {volume}) by {by} at revision {rev}, at most {gap:?} after its liveness key went (revision {gone_at}), before its W of {wait:?}"
                 ),
             });
         }
     }
-    out
+    (out, figures)
 }
