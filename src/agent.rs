@@ -317,6 +317,10 @@ impl Agent {
         // Requests are served only once the restore has run.
         let mut observer = Observer::new(lifecycle.clone(), registry.clone());
         observer.cluster = liveness.clone();
+        observer.docker = config
+            .docker
+            .as_ref()
+            .map(|_| crate::docker::RuleHealth::default());
         let fail = |e: AgentError, threads: Threads| {
             shutdown.trigger();
             let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
@@ -353,6 +357,7 @@ impl Agent {
                     d,
                     lifecycle.clone(),
                     config.cluster.is_some(),
+                    observer.docker.clone().unwrap_or_default(),
                     &mut threads,
                     shutdown.clone(),
                 )

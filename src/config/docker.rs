@@ -32,6 +32,10 @@ pub const MAX_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(
         - 2 * MOUNT_GIVE_UP_WAIT.as_secs(),
 );
 pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
+/// The engines' own limit on a Mount: Docker's (ENGINE_MOUNT_LIMIT) unless
+/// `engine_mount_timeout` says otherwise (Podman: its
+/// `volume_plugin_timeout`).
+pub const DEFAULT_ENGINE_MOUNT_TIMEOUT: Duration = ENGINE_MOUNT_LIMIT;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DockerConfig {
@@ -46,6 +50,10 @@ pub struct DockerConfig {
     /// Period of the engine-death rule: engine mounts no container uses at
     /// two checks in a row are released.
     pub unused_check_interval: Duration,
+    /// The engine's own limit on a Mount: an engine mount younger than
+    /// this (since its last Mount) is never released by the engine-death
+    /// rule (a container's later volumes may still be mounting).
+    pub engine_mount_timeout: Duration,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +63,7 @@ pub struct RawDocker {
     socket: Option<PathBuf>,
     mount_timeout: Option<String>,
     unused_check_interval: Option<String>,
+    engine_mount_timeout: Option<String>,
 }
 
 /// The section as read from the file at `path` (for messages).
@@ -107,6 +116,11 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
             d.unused_check_interval,
             DEFAULT_DOCKER_UNUSED_CHECK,
         )?,
+        engine_mount_timeout: dur(
+            "engine_mount_timeout",
+            d.engine_mount_timeout,
+            DEFAULT_ENGINE_MOUNT_TIMEOUT,
+        )?,
         driver,
     }))
 }
@@ -134,9 +148,11 @@ mod tests {
         assert_eq!(d.socket, Path::new("/run/docker/plugins/claimd.sock"));
         assert_eq!(d.mount_timeout, Duration::from_secs(90));
         assert_eq!(d.unused_check_interval, Duration::from_secs(30));
+        assert_eq!(d.engine_mount_timeout, Duration::from_secs(120));
         let d = parse(
             r#"{"docker": {"driver": "csi", "socket": "/run/claimd/docker.sock",
-                "mount_timeout": "20s", "unused_check_interval": "5s"}}"#,
+                "mount_timeout": "20s", "unused_check_interval": "5s",
+                "engine_mount_timeout": "300s"}}"#,
         )
         .expect("valid")
         .docker
@@ -144,6 +160,7 @@ mod tests {
         assert_eq!(d.socket, Path::new("/run/claimd/docker.sock"));
         assert_eq!(d.mount_timeout, Duration::from_secs(20));
         assert_eq!(d.unused_check_interval, Duration::from_secs(5));
+        assert_eq!(d.engine_mount_timeout, Duration::from_secs(300));
         for (text, needle) in [
             (r#"{"docker": {"driver": "a/b"}}"#, "field docker.driver"),
             (

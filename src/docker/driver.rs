@@ -316,10 +316,13 @@ impl Driver {
             name: name.to_string(),
         })?;
         let alloc = alloc_id(name, mount_id)?;
+        // While it runs, the engine-death rule leaves alone the mounts of
+        // other volumes mounted before it: the same container's, maybe.
+        let _mounting = self.turns.mounting(name);
         let turn_wait = ENGINE_MOUNT_LIMIT
             .saturating_sub(ENGINE_ANSWER_MARGIN + self.mount_timeout + 2 * GIVE_UP_WAIT);
         let _turn = self.turn(&alloc, turn_wait)?;
-        self.turns.unmark(&alloc);
+        self.turns.mounted(&alloc);
         let added =
             self.lifecycle
                 .add_reference(&alloc)
@@ -328,6 +331,7 @@ impl Driver {
                     source,
                 })?;
         if let Some(n) = added {
+            self.turns.mounted(&alloc);
             log::info!("volume {name}: allocation {alloc} mounted again, {n} references");
             return self
                 .lifecycle
@@ -392,6 +396,7 @@ impl Driver {
                         source,
                     }
                 })?;
+                self.turns.mounted(&alloc);
                 log::info!("volume {name} mounted for allocation {alloc}");
                 path.ok_or_else(|| DriverError::Invalid("the mount answered no path".into()))
             }

@@ -39,6 +39,7 @@ use std::path::PathBuf;
 pub use driver::{alloc_id, Driver, ALLOC_PREFIX};
 pub use options::{Definition, OptionError};
 pub use server::start;
+pub use unused::RuleHealth;
 
 /// Why the protocol cannot be served.
 #[derive(Debug)]

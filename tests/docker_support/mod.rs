@@ -17,6 +17,9 @@ use std::time::Duration;
 use crate::agent_support::send_signal;
 use crate::common::*;
 
+mod world;
+pub use world::*;
+
 /// The image every test container runs: busybox-static's busybox and its
 /// links, `PATH=/bin`.
 pub const IMAGE: &str = "claimd-test-busybox:1";
