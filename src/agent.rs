@@ -356,7 +356,9 @@ impl Agent {
                 Some(d) => crate::docker::start(
                     d,
                     lifecycle.clone(),
-                    config.cluster.is_some(),
+                    cluster
+                        .as_ref()
+                        .map(|(e, _, _)| (e.client().clone(), e.prefix().to_string())),
                     observer.docker.clone().unwrap_or_default(),
                     &mut threads,
                     shutdown.clone(),

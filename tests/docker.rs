@@ -85,14 +85,10 @@ fn two_containers_share_one_volume_on_one_node_with_one_staging() {
     assert!(claims.iter().all(|c| c["alloc_id"]
         .as_str()
         .is_some_and(|a| a.starts_with("docker-") && a.ends_with("-db"))));
-    // `docker volume inspect` shows the claims and the mounts.
+    // `docker volume inspect` shows this node's mounts.
     let status = d.docker(&["volume", "inspect", "db", "--format", "{{json .Status}}"]);
     let status: Value = serde_json::from_str(status.ok().stdout.trim()).expect("JSON status");
-    assert_eq!(
-        status["claims"].as_array().map(Vec::len),
-        Some(2),
-        "{status}"
-    );
+    assert_eq!(status["registered_by"], "engine", "{status}");
     assert_eq!(
         status["mounts"].as_array().map(Vec::len),
         Some(2),
@@ -243,8 +239,12 @@ fn bad_options_and_unknown_names_give_clear_errors_and_change_nothing() {
     w.agent
         .cli(&["alloc", "release", "web-1", "--wait", "30s"])
         .ok();
+    // Registered with the CLI: Docker forgets it, claimd keeps it.
     d.docker(&["volume", "rm", "db"]).ok();
-    assert!(w.volumes().is_empty());
+    assert_eq!(w.volumes().len(), 1);
+    assert!(w.agent.log().contains(
+        "volume db: an engine's Remove leaves it registered: it was registered with the claimd CLI or API"
+    ));
 }
 
 #[test]

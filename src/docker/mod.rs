@@ -4,8 +4,10 @@
 //! mean (`options`), and each request turned into calls of the same
 //! [`Lifecycle`](crate::lifecycle::Lifecycle) facade the local API uses
 //! (`driver`), whose turn it is to decide about an engine mount
-//! (`references`), and the engine-death rule (`unused`: mounts no
-//! container uses any more are released). No lifecycle logic lives here.
+//! (`references`), the engine-death rule (`unused`: mounts no container
+//! uses any more are released), and what Get, List, Path and Mount read
+//! (`view`: the registrations as the agent holds them, and the plugin's
+//! notes on the volumes engines created). No lifecycle logic lives here.
 //!
 //! One allocation per mount ID: `Mount {Name, ID}` mounts volume `Name`
 //! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), and the
@@ -32,6 +34,7 @@ mod protocol;
 mod references;
 mod server;
 mod unused;
+mod view;
 
 use std::fmt;
 use std::path::PathBuf;

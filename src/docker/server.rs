@@ -28,11 +28,13 @@ const STOP_WAIT: Duration = Duration::from_secs(5);
 /// Listens on the configured socket (replacing a stale one; refusing one
 /// that a live process answers on) and serves it on thread `docker-plugin`
 /// until the stop; starts the engine-death rule (thread `docker-unused`),
-/// which shows in `health` why it releases nothing when it cannot see.
+/// which shows in `health` why it releases nothing when it cannot see,
+/// and in cluster mode the volume view (thread `docker-view`; `etcd`: the
+/// cluster's client and key prefix).
 pub fn start(
     config: &DockerConfig,
     lifecycle: Lifecycle,
-    cluster: bool,
+    etcd: Option<(crate::etcd::EtcdClient, String)>,
     health: super::RuleHealth,
     threads: &mut Threads,
     stop: Shutdown,
@@ -74,9 +76,14 @@ pub fn start(
         stop.clone(),
     )
     .map_err(DockerError::Thread)?;
+    let cluster = etcd.is_some();
+    let view = super::view::View::new(lifecycle.clone(), etcd);
+    view.start(threads, stop.clone())
+        .map_err(DockerError::Thread)?;
     let driver = Driver {
         lifecycle,
         cluster,
+        view,
         mount_timeout: config.mount_timeout,
         turns,
     };
