@@ -156,3 +156,62 @@ fn a_namespace_whose_link_the_agent_cannot_read_is_judged_by_its_mount_table() {
     let health = w.agent.cli(&["health"]);
     assert_eq!(health.code, 0, "{health:?}");
 }
+
+#[test]
+fn with_the_engines_socket_configured_a_stopped_container_keeps_its_volume() {
+    // The engine's socket as the config names it before dockerd exists: a
+    // link made once it runs.
+    let link = PathBuf::from(format!(
+        "/run/claimd-test-engine-{}.sock",
+        std::process::id()
+    ));
+    let _link = SocketFile(link.clone());
+    let w = World::with(
+        "stopped",
+        json!({"unused_check_interval": "1s", "engine_mount_timeout": "1s",
+               "engine_sockets": [link]}),
+    );
+    let d = Dockerd::start(w.dir.path());
+    let _ = fs::remove_file(&link);
+    std::os::unix::fs::symlink(d.dir.join("docker.sock"), &link).expect("link the socket");
+    d.docker(&w.create_args(&[], "db")).ok();
+    // A container that ran and stopped, not removed: its Unmount came.
+    let mut args = vec!["run", "--name", "c1"];
+    args.extend(RUN_FLAGS);
+    args.extend([
+        "-v",
+        "db:/data",
+        "--volume-driver",
+        &w.driver,
+        IMAGE,
+        "sh",
+        "-c",
+        "echo hi > /data/f",
+    ]);
+    d.docker(&args).ok();
+    assert_eq!(w.wait_calls(6, "c1's Unmount"), ONE_CONTAINER);
+    // An engine mount of the volume that no namespace uses (an Unmount
+    // that never came): the engine's stopped container keeps it.
+    let alloc = format!("docker-{}-db", "d0".repeat(32));
+    plugin_ok(
+        &w.socket(),
+        "/VolumeDriver.Mount",
+        json!({"Name": "db", "ID": "d0".repeat(32)}),
+    );
+    let kept = || {
+        w.agent
+            .log()
+            .matches(&format!("lists volume db: allocation {alloc} kept"))
+            .count()
+    };
+    wait_until(Duration::from_secs(30), "three checks keeping it", || {
+        kept() >= 3
+    });
+    assert_eq!(w.calls().len(), 9, "kept: {:?}", w.calls());
+    assert!(w.file("f").exists());
+
+    // The container removed: nothing lists the volume any more.
+    d.docker(&["rm", "c1"]).ok();
+    let calls = w.wait_calls(12, "the unused mount to be released");
+    assert_eq!(calls[9..], [NUP, NUS, CUP]);
+}

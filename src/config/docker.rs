@@ -36,6 +36,9 @@ pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
 /// `engine_mount_timeout` says otherwise (Podman: its
 /// `volume_plugin_timeout`).
 pub const DEFAULT_ENGINE_MOUNT_TIMEOUT: Duration = ENGINE_MOUNT_LIMIT;
+/// The engines' API sockets asked before the engine-death rule releases:
+/// Docker's and Podman's (rootful) defaults.
+pub const DEFAULT_ENGINE_SOCKETS: [&str; 2] = ["/run/docker.sock", "/run/podman/podman.sock"];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DockerConfig {
@@ -54,6 +57,9 @@ pub struct DockerConfig {
     /// this (since its last Mount) is never released by the engine-death
     /// rule (a container's later volumes may still be mounting).
     pub engine_mount_timeout: Duration,
+    /// The engines' API sockets: a container an answering engine lists (in
+    /// any state but removed) keeps its volume's engine mounts.
+    pub engine_sockets: Vec<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -64,6 +70,7 @@ pub struct RawDocker {
     mount_timeout: Option<String>,
     unused_check_interval: Option<String>,
     engine_mount_timeout: Option<String>,
+    engine_sockets: Option<Vec<PathBuf>>,
 }
 
 /// The section as read from the file at `path` (for messages).
@@ -108,7 +115,14 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
             ),
         ));
     }
+    let engine_sockets = d
+        .engine_sockets
+        .unwrap_or_else(|| DEFAULT_ENGINE_SOCKETS.iter().map(PathBuf::from).collect());
+    for s in &engine_sockets {
+        check_abs(s).map_err(|e| field_err("engine_sockets", e))?;
+    }
     Ok(Some(DockerConfig {
+        engine_sockets,
         socket,
         mount_timeout,
         unused_check_interval: dur(
@@ -149,10 +163,17 @@ mod tests {
         assert_eq!(d.mount_timeout, Duration::from_secs(90));
         assert_eq!(d.unused_check_interval, Duration::from_secs(30));
         assert_eq!(d.engine_mount_timeout, Duration::from_secs(120));
+        assert_eq!(
+            d.engine_sockets,
+            [
+                Path::new("/run/docker.sock"),
+                Path::new("/run/podman/podman.sock")
+            ]
+        );
         let d = parse(
             r#"{"docker": {"driver": "csi", "socket": "/run/claimd/docker.sock",
                 "mount_timeout": "20s", "unused_check_interval": "5s",
-                "engine_mount_timeout": "300s"}}"#,
+                "engine_mount_timeout": "300s", "engine_sockets": []}}"#,
         )
         .expect("valid")
         .docker
@@ -161,6 +182,7 @@ mod tests {
         assert_eq!(d.mount_timeout, Duration::from_secs(20));
         assert_eq!(d.unused_check_interval, Duration::from_secs(5));
         assert_eq!(d.engine_mount_timeout, Duration::from_secs(300));
+        assert!(d.engine_sockets.is_empty());
         for (text, needle) in [
             (r#"{"docker": {"driver": "a/b"}}"#, "field docker.driver"),
             (
@@ -174,6 +196,10 @@ mod tests {
             (
                 r#"{"docker": {"mount_timeout": "96s"}}"#,
                 "field docker.mount_timeout: must be at most 95s: a Mount given up is undone within 25s more, and Docker gives up on a Mount after 2m",
+            ),
+            (
+                r#"{"docker": {"engine_sockets": ["docker.sock"]}}"#,
+                "field docker.engine_sockets",
             ),
             (r#"{"docker": {"bogus": 1}}"#, "bogus"),
         ] {

@@ -29,6 +29,7 @@
 //! Unmount drops one and releases the allocation at the last.
 
 mod driver;
+mod engines;
 mod options;
 mod protocol;
 mod references;

@@ -70,6 +70,8 @@ pub fn start(
             turns: turns.clone(),
             interval: config.unused_check_interval,
             min_age: config.engine_mount_timeout,
+            driver: config.driver.clone(),
+            engine_sockets: config.engine_sockets.clone(),
             health,
         },
         threads,

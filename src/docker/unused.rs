@@ -17,7 +17,9 @@
 //! rebooted); a mount whose last Mount answered before a Mount of another
 //! volume that is still running began (an engine mounts a container's
 //! volumes one after another and starts the container after the last);
-//! a mount a request is deciding about. A Mount clears its mount's mark,
+//! a mount a request is deciding about; a mount of a volume that a
+//! container of an answering engine lists, in any state but removed
+//! (`engines`, asked before a release). A Mount clears its mount's mark,
 //! and the decision is made in the allocation's turn (`references`), so a
 //! Mount adding a reference and the rule never cross.
 //!
@@ -74,6 +76,9 @@ pub struct Rule {
     pub interval: Duration,
     /// A mount younger than this is never a candidate.
     pub min_age: Duration,
+    /// The driver's name and the engines' API sockets (`engines`).
+    pub driver: String,
+    pub engine_sockets: Vec<std::path::PathBuf>,
     pub health: RuleHealth,
 }
 
@@ -339,6 +344,8 @@ fn check(rule: &Rule) {
     };
     set_blind(&rule.health, None);
     let (mut in_use, mut young) = (0, 0);
+    // Asked once per check, when a mount is about to be released.
+    let mut listed: Option<super::engines::Listed> = None;
     for (alloc, volume, path) in &mounts {
         let target = escape(path);
         // The topmost mount at the target path is the published volume.
@@ -364,6 +371,22 @@ fn check(rule: &Rule) {
         };
         if turns.mark(alloc) {
             turns.unmark(alloc);
+            let listed = listed.get_or_insert_with(|| {
+                super::engines::volumes_in_use(&rule.engine_sockets, &rule.driver)
+            });
+            if listed.volumes.contains(volume) {
+                in_use += 1;
+                log::debug!(
+                    "docker: a container of an engine ({}) lists volume {volume}: allocation {alloc} kept",
+                    listed
+                        .answered
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                continue;
+            }
             let references = lifecycle.references(alloc).unwrap_or(1);
             log::warn!(
                 "docker: no container uses the mount of allocation {alloc} any more (its engine stopped without Unmount): releasing it with its {references} reference(s)"
