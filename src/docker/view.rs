@@ -14,7 +14,10 @@
 //!
 //! A note says when the plugin registered the volume (`CreatedAt`) and
 //! that an engine did: only such a volume may an engine's `Remove`
-//! deregister. A volume registered with the CLI or the API has no note.
+//! deregister. A volume registered with the CLI or the API has no note,
+//! and a note counts only for the plugin and external ID it was written
+//! for (a note left behind by a deregistration elsewhere does not make a
+//! later registration of the name the engines').
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -42,6 +45,17 @@ const NOTES_FILE: &str = "docker-volumes.json";
 pub struct Note {
     /// RFC 3339, UTC: when the engine's Create registered it.
     pub created_at: String,
+    /// What the engine registered: a note whose volume was deregistered
+    /// (by the CLI, say) and another one registered under its name since
+    /// does not count.
+    pub plugin_id: String,
+    pub external_id: String,
+}
+
+impl Note {
+    fn of(&self, spec: &VolumeSpec) -> bool {
+        self.plugin_id == spec.plugin_id && self.external_id == spec.external_id
+    }
 }
 
 /// A registration without its secrets, and the plugin's note on it.
@@ -166,8 +180,8 @@ impl View {
             Source::Cluster { .. } => cached.volumes.get(name)?.clone(),
         };
         Some(Known {
+            note: cached.notes.get(name).filter(|n| n.of(&spec)).cloned(),
             spec,
-            note: cached.notes.get(name).cloned(),
         })
     }
 
@@ -185,7 +199,7 @@ impl View {
         specs
             .into_iter()
             .map(|spec| Known {
-                note: cached.notes.get(&spec.id).cloned(),
+                note: cached.notes.get(&spec.id).filter(|n| n.of(&spec)).cloned(),
                 spec,
             })
             .collect()
@@ -200,6 +214,8 @@ impl View {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs()),
             ),
+            plugin_id: spec.plugin_id.clone(),
+            external_id: spec.external_id.clone(),
         };
         let name = spec.id.clone();
         let mut cached = self.inner.state.lock();
@@ -373,6 +389,8 @@ mod tests {
             "db".to_string(),
             Note {
                 created_at: "2026-12-05T18:00:00Z".to_string(),
+                plugin_id: "hp".to_string(),
+                external_id: "vol-1".to_string(),
             },
         )]);
         write_notes(&path, &notes).expect("written");
@@ -380,5 +398,15 @@ mod tests {
             serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("JSON");
         assert_eq!(back, notes);
         assert!(!path.with_extension("json.new").exists());
+        // A note counts for the volume it was written for only.
+        let spec = |external: &str| -> VolumeSpec {
+            serde_json::from_value(serde_json::json!({
+                "id": "db", "plugin_id": "hp", "external_id": external,
+                "access_modes": ["single-node-writer"], "attachment_modes": ["file-system"]
+            }))
+            .expect("a spec")
+        };
+        assert!(notes["db"].of(&spec("vol-1")));
+        assert!(!notes["db"].of(&spec("vol-2")));
     }
 }
