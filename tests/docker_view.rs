@@ -71,6 +71,9 @@ fn a_dockerd_restarted_while_etcd_is_away_keeps_its_volumes_options_and_labels()
     // volume it knows and forgets the options and labels of any whose Get
     // fails; the agent answers from its view.
     etcd.kill();
+    wait_until(Duration::from_secs(30), "the view to lose etcd", || {
+        agent.log().contains("answering from the last view")
+    });
     d.restart();
     let during = inspect(&d, "db");
     assert_eq!(during["Options"], before["Options"], "{during}");
@@ -83,6 +86,15 @@ fn a_dockerd_restarted_while_etcd_is_away_keeps_its_volumes_options_and_labels()
 
     // etcd back: nothing lost either.
     etcd.restart();
+    wait_until(
+        Duration::from_secs(30),
+        "the view to read etcd again",
+        || {
+            agent
+                .log()
+                .contains("volume view: etcd answers again; the view is current")
+        },
+    );
     let after = inspect(&d, "db");
     assert_eq!(after["Options"], before["Options"], "{after}");
     assert_eq!(after["Labels"], before["Labels"], "{after}");

@@ -35,6 +35,9 @@ use crate::volumes::VolumeSpec;
 
 /// How long the keeper waits for an event before it looks at the stop.
 const POLL: Duration = Duration::from_millis(250);
+/// A watch etcd has not answered on for this long (it asks for progress
+/// every 2 s when idle) is said to be stale, once.
+const STALE_AFTER: Duration = Duration::from_secs(6);
 /// Backoff between attempts to read and watch again after a failure.
 const RETRY: Duration = Duration::from_secs(1);
 /// The notes' file in the state directory (one node).
@@ -290,21 +293,28 @@ struct Keeper {
 
 impl Keeper {
     fn run(self) {
+        // Said once per outage, not once per retry.
+        let mut failing = false;
         while !self.stop.is_triggered() {
-            if let Err(why) = self.follow() {
-                log::info!(
-                    "docker: volume view: {why}; answering from the last view, reading again"
-                );
-                if !self.stop.sleep(RETRY) {
-                    break;
+            match self.follow(&mut failing) {
+                Ok(()) => {}
+                Err(why) if failing => log::debug!("docker: volume view: {why}"),
+                Err(why) => {
+                    failing = true;
+                    log::info!(
+                        "docker: volume view: {why}; answering from the last view, reading again every {RETRY:?}"
+                    );
                 }
+            }
+            if !self.stop.sleep(RETRY) {
+                break;
             }
         }
     }
 
     /// One Range, then the watch from the revision after it, until the
     /// watch ends or the agent stops.
-    fn follow(&self) -> Result<(), String> {
+    fn follow(&self, failing: &mut bool) -> Result<(), String> {
         let key = self.range.as_bytes();
         let end = prefix_end(key);
         let read = self
@@ -322,7 +332,21 @@ impl Keeper {
             }
             *self.view.inner.state.lock() = fresh;
         }
+        if std::mem::take(failing) {
+            log::info!("docker: volume view: etcd answers again; the view is current");
+        }
         while !self.stop.is_triggered() {
+            // The watch reopens a broken stream by itself: a silence says
+            // etcd is away.
+            let fresh = watch.is_fresh(STALE_AFTER);
+            if !fresh && !*failing {
+                *failing = true;
+                log::info!(
+                    "docker: volume view: etcd has not answered for {STALE_AFTER:?}; answering from the last view"
+                );
+            } else if fresh && std::mem::take(failing) {
+                log::info!("docker: volume view: etcd answers again; the view is current");
+            }
             let mut next = watch
                 .recv_timeout(POLL)
                 .map_err(|e| format!("watch ended: {e}"))?;
