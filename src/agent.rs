@@ -326,6 +326,10 @@ impl Agent {
         // Requests are served only once the restore has run.
         let mut observer = Observer::new(lifecycle.clone(), registry.clone());
         observer.cluster = liveness.clone();
+        observer.docker = config
+            .docker
+            .as_ref()
+            .map(|_| crate::docker::RuleHealth::default());
         let fail = |e: AgentError, threads: Threads| {
             shutdown.trigger();
             let deadline = Instant::now() + config.timeouts.csi_call + STOP_SLACK;
@@ -361,7 +365,10 @@ impl Agent {
                 Some(d) => crate::docker::start(
                     d,
                     lifecycle.clone(),
-                    config.cluster.is_some(),
+                    cluster
+                        .as_ref()
+                        .map(|(e, _, _)| (e.client().clone(), e.prefix().to_string())),
+                    observer.docker.clone().unwrap_or_default(),
                     &mut threads,
                     shutdown.clone(),
                 )

@@ -22,104 +22,6 @@ use docker_support::*;
 use etcd_support::Etcd;
 use serde_json::{json, Value};
 
-/// How long the engine's cleanup of a stopped container (its Unmount, and
-/// the release behind it) may take.
-const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Field order is drop order: the agent (which the engines' cleanup
-/// still talks to, so they are dropped before the world), then the
-/// plugin, then the directory.
-struct World {
-    agent: Agent,
-    plugin: TestPlugin,
-    driver: String,
-    dir: TestDir,
-}
-
-impl World {
-    /// The agent serving driver `claimd-<name>-<pid>`, and the test
-    /// plugin with volume `ext-db` (and `ext-other`).
-    fn new(name: &str) -> World {
-        World::with(name, json!({}))
-    }
-
-    /// The same, with more fields in the agent's `docker` section.
-    fn with(name: &str, docker: Value) -> World {
-        ensure_engines();
-        let dir = TestDir::new();
-        let plugin = TestPlugin::builder(dir.path())
-            .volumes(&["ext-db", "ext-other"])
-            .start();
-        let driver = format!("claimd-{name}-{}", std::process::id());
-        let mut config = AgentConfig::new(dir.path(), Some(&plugin.socket));
-        let mut section = docker;
-        section["driver"] = json!(driver);
-        config.extra.push(("docker".into(), section));
-        let agent = Agent::start(dir.path(), config);
-        let w = World {
-            agent,
-            plugin,
-            driver,
-            dir,
-        };
-        wait_until(Duration::from_secs(20), "the plugin to be ready", || {
-            let out = w.agent.cli(&["plugin", "list", "--json"]);
-            out.code == 0 && out.json()["plugins"][0]["health"] == "ready"
-        });
-        w
-    }
-
-    fn socket(&self) -> PathBuf {
-        PathBuf::from(format!("/run/docker/plugins/{}.sock", self.driver))
-    }
-
-    fn calls(&self) -> Vec<String> {
-        volume_methods(&self.plugin.call_log())
-    }
-
-    /// Waits until the plugin has had `n` volume calls.
-    fn wait_calls(&self, n: usize, what: &str) -> Vec<String> {
-        wait_until(CLEANUP_TIMEOUT, what, || self.calls().len() >= n);
-        self.calls()
-    }
-
-    fn claims(&self) -> Vec<Value> {
-        let out = self.agent.cli(&["claim", "list", "--json"]).ok().json();
-        out["claims"].as_array().cloned().unwrap_or_default()
-    }
-
-    fn volumes(&self) -> Vec<Value> {
-        let out = self.agent.cli(&["volume", "list", "--json"]).ok().json();
-        out["volumes"].as_array().cloned().unwrap_or_default()
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.plugin.volume_dir("ext-db").join(name)
-    }
-
-    /// `volume create --driver DRIVER --opt ...` for volume `db` on
-    /// `ext-db`, with more options.
-    fn create_args<'a>(&'a self, more: &[&'a str], name: &'a str) -> Vec<&'a str> {
-        let mut args = vec!["volume", "create", "--driver", self.driver.as_str()];
-        args.extend(["--opt", "plugin_id=testplug", "--opt", "external_id=ext-db"]);
-        args.extend(more);
-        args.push(name);
-        args
-    }
-}
-
-impl Drop for World {
-    /// The agent is killed after this: its socket would stay behind in
-    /// Docker's plugin directory.
-    fn drop(&mut self) {
-        self.agent.kill();
-        let _ = fs::remove_file(self.socket());
-    }
-}
-
-/// One container's allocation, up and down.
-const ONE_CONTAINER: [&str; 6] = [CP, NS, NP, NUP, NUS, CUP];
-
 #[test]
 fn a_container_writes_through_a_claimd_volume_and_a_second_one_reads_it_back() {
     let w = World::new("rw");
@@ -183,14 +85,10 @@ fn two_containers_share_one_volume_on_one_node_with_one_staging() {
     assert!(claims.iter().all(|c| c["alloc_id"]
         .as_str()
         .is_some_and(|a| a.starts_with("docker-") && a.ends_with("-db"))));
-    // `docker volume inspect` shows the claims and the mounts.
+    // `docker volume inspect` shows this node's mounts.
     let status = d.docker(&["volume", "inspect", "db", "--format", "{{json .Status}}"]);
     let status: Value = serde_json::from_str(status.ok().stdout.trim()).expect("JSON status");
-    assert_eq!(
-        status["claims"].as_array().map(Vec::len),
-        Some(2),
-        "{status}"
-    );
+    assert_eq!(status["registered_by"], "engine", "{status}");
     assert_eq!(
         status["mounts"].as_array().map(Vec::len),
         Some(2),
@@ -341,8 +239,12 @@ fn bad_options_and_unknown_names_give_clear_errors_and_change_nothing() {
     w.agent
         .cli(&["alloc", "release", "web-1", "--wait", "30s"])
         .ok();
+    // Registered with the CLI: Docker forgets it, claimd keeps it.
     d.docker(&["volume", "rm", "db"]).ok();
-    assert!(w.volumes().is_empty());
+    assert_eq!(w.volumes().len(), 1);
+    assert!(w.agent.log().contains(
+        "volume db: an engine's Remove leaves it registered: it was registered with the claimd CLI or API"
+    ));
 }
 
 #[test]
@@ -522,7 +424,10 @@ fn a_container_start_waiting_for_a_held_claim_fails_naming_the_holder_and_leaves
 
 #[test]
 fn an_engine_killed_without_unmount_has_its_claim_released_once_no_container_uses_it() {
-    let w = World::with("dead", json!({"unused_check_interval": "2s"}));
+    let w = World::with(
+        "dead",
+        json!({"unused_check_interval": "2s", "engine_mount_timeout": "1s"}),
+    );
     let mut d = Dockerd::start(w.dir.path());
     d.docker(&w.create_args(&[], "db")).ok();
     d.start_container("c0", &w.driver, "db", "echo up > /data/up; exec sleep 1000")
@@ -563,15 +468,6 @@ struct DockerNode {
     plugin: TestPlugin,
     driver: String,
     _socket: SocketFile,
-}
-
-/// Removes the agent's plugin socket from Docker's directory on drop.
-struct SocketFile(PathBuf);
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
-    }
 }
 
 impl DockerNode {
@@ -739,23 +635,6 @@ fn a_volume_without_external_id_is_created_through_the_controller_with_secrets_f
     assert!(w.volumes().is_empty());
     assert!(w.plugin.call_log().calls_of("DeleteVolume").is_empty());
     assert!(f.exists());
-}
-
-/// One request of the protocol that must succeed: its answer.
-fn plugin_ok(socket: &std::path::Path, path: &str, body: Value) -> Value {
-    let (code, answer) = post(socket, path, &body);
-    assert_eq!(code, 200, "{path} {body}: {answer}");
-    assert!(answer.get("Err").is_none(), "{path}: {answer}");
-    answer
-}
-
-/// The target path of an engine allocation's one volume, from the state.
-fn target_of(w: &World, alloc: &str) -> PathBuf {
-    let allocs = w.agent.state_allocs();
-    let path = allocs[alloc]["volumes"]["volume"]["target_path"]
-        .as_str()
-        .unwrap_or_else(|| panic!("allocation {alloc} recorded: {allocs:?}"));
-    PathBuf::from(path)
 }
 
 #[test]
@@ -947,7 +826,10 @@ fn an_engine_mounts_count_survives_a_restart_of_the_agent_between_mount_and_unmo
 
 #[test]
 fn an_engine_mount_counted_twice_that_no_container_uses_is_released_with_every_reference() {
-    let w = World::with("deadref", json!({"unused_check_interval": "1s"}));
+    let w = World::with(
+        "deadref",
+        json!({"unused_check_interval": "1s", "engine_mount_timeout": "1s"}),
+    );
     let sock = w.socket();
     let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
     plugin_ok(
@@ -1042,7 +924,11 @@ fn after_a_reboot_the_engines_restored_mounts_count_no_reference_so_their_first_
 #[test]
 fn the_engine_death_rule_keeps_a_mount_whose_subdirectory_or_whose_data_in_the_hosts_namespace_is_in_use(
 ) {
-    let w = World::with("subdir", json!({"unused_check_interval": "1s"}));
+    let w = World::with(
+        "subdir",
+        // Old enough for the rule only once the first namespace holds it.
+        json!({"unused_check_interval": "1s", "engine_mount_timeout": "10s"}),
+    );
     let sock = w.socket();
     let def = json!({"plugin_id": "testplug", "external_id": "ext-db"});
     plugin_ok(
@@ -1248,6 +1134,14 @@ fn an_agent_in_a_pid_namespace_of_its_own_keeps_every_engine_mount_and_says_why(
         agent.log().matches("keeps every engine mount:").count(),
         1,
         "said once"
+    );
+    let health = agent.cli(&["health"]);
+    assert_ne!(health.code, 0, "degraded: {health:?}");
+    assert!(
+        health.stdout.contains(
+            "docker: the engine-death rule releases no engine mount: the agent runs in a PID namespace of its own"
+        ),
+        "{health:?}"
     );
     assert_eq!(volume_methods(&plugin.call_log()), [CP, NS, NP]);
     plugin_ok(&sock, "/VolumeDriver.Unmount", mount);

@@ -32,6 +32,13 @@ pub const MAX_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(
         - 2 * MOUNT_GIVE_UP_WAIT.as_secs(),
 );
 pub const DEFAULT_DOCKER_UNUSED_CHECK: Duration = Duration::from_secs(30);
+/// The engines' own limit on a Mount: Docker's (ENGINE_MOUNT_LIMIT) unless
+/// `engine_mount_timeout` says otherwise (Podman: its
+/// `volume_plugin_timeout`).
+pub const DEFAULT_ENGINE_MOUNT_TIMEOUT: Duration = ENGINE_MOUNT_LIMIT;
+/// The engines' API sockets asked before the engine-death rule releases:
+/// Docker's and Podman's (rootful) defaults.
+pub const DEFAULT_ENGINE_SOCKETS: [&str; 2] = ["/run/docker.sock", "/run/podman/podman.sock"];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DockerConfig {
@@ -46,6 +53,13 @@ pub struct DockerConfig {
     /// Period of the engine-death rule: engine mounts no container uses at
     /// two checks in a row are released.
     pub unused_check_interval: Duration,
+    /// The engine's own limit on a Mount: an engine mount younger than
+    /// this (since its last Mount) is never released by the engine-death
+    /// rule (a container's later volumes may still be mounting).
+    pub engine_mount_timeout: Duration,
+    /// The engines' API sockets: a container an answering engine lists (in
+    /// any state but removed) keeps its volume's engine mounts.
+    pub engine_sockets: Vec<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +69,8 @@ pub struct RawDocker {
     socket: Option<PathBuf>,
     mount_timeout: Option<String>,
     unused_check_interval: Option<String>,
+    engine_mount_timeout: Option<String>,
+    engine_sockets: Option<Vec<PathBuf>>,
 }
 
 /// The section as read from the file at `path` (for messages).
@@ -99,13 +115,25 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
             ),
         ));
     }
+    let engine_sockets = d
+        .engine_sockets
+        .unwrap_or_else(|| DEFAULT_ENGINE_SOCKETS.iter().map(PathBuf::from).collect());
+    for s in &engine_sockets {
+        check_abs(s).map_err(|e| field_err("engine_sockets", e))?;
+    }
     Ok(Some(DockerConfig {
+        engine_sockets,
         socket,
         mount_timeout,
         unused_check_interval: dur(
             "unused_check_interval",
             d.unused_check_interval,
             DEFAULT_DOCKER_UNUSED_CHECK,
+        )?,
+        engine_mount_timeout: dur(
+            "engine_mount_timeout",
+            d.engine_mount_timeout,
+            DEFAULT_ENGINE_MOUNT_TIMEOUT,
         )?,
         driver,
     }))
@@ -134,9 +162,18 @@ mod tests {
         assert_eq!(d.socket, Path::new("/run/docker/plugins/claimd.sock"));
         assert_eq!(d.mount_timeout, Duration::from_secs(90));
         assert_eq!(d.unused_check_interval, Duration::from_secs(30));
+        assert_eq!(d.engine_mount_timeout, Duration::from_secs(120));
+        assert_eq!(
+            d.engine_sockets,
+            [
+                Path::new("/run/docker.sock"),
+                Path::new("/run/podman/podman.sock")
+            ]
+        );
         let d = parse(
             r#"{"docker": {"driver": "csi", "socket": "/run/claimd/docker.sock",
-                "mount_timeout": "20s", "unused_check_interval": "5s"}}"#,
+                "mount_timeout": "20s", "unused_check_interval": "5s",
+                "engine_mount_timeout": "300s", "engine_sockets": []}}"#,
         )
         .expect("valid")
         .docker
@@ -144,6 +181,8 @@ mod tests {
         assert_eq!(d.socket, Path::new("/run/claimd/docker.sock"));
         assert_eq!(d.mount_timeout, Duration::from_secs(20));
         assert_eq!(d.unused_check_interval, Duration::from_secs(5));
+        assert_eq!(d.engine_mount_timeout, Duration::from_secs(300));
+        assert!(d.engine_sockets.is_empty());
         for (text, needle) in [
             (r#"{"docker": {"driver": "a/b"}}"#, "field docker.driver"),
             (
@@ -157,6 +196,10 @@ mod tests {
             (
                 r#"{"docker": {"mount_timeout": "96s"}}"#,
                 "field docker.mount_timeout: must be at most 95s: a Mount given up is undone within 25s more, and Docker gives up on a Mount after 2m",
+            ),
+            (
+                r#"{"docker": {"engine_sockets": ["docker.sock"]}}"#,
+                "field docker.engine_sockets",
             ),
             (r#"{"docker": {"bogus": 1}}"#, "bogus"),
         ] {

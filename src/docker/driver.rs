@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use super::options::{self, Definition, OptionError};
 use super::protocol::{self as p, Endpoint};
 use super::references::Turns;
+use super::view::{Known, View};
 use crate::config::docker::{
     ENGINE_ANSWER_MARGIN, ENGINE_MOUNT_LIMIT, ENGINE_REQUEST_LIMIT, MOUNT_GIVE_UP_WAIT,
 };
@@ -183,6 +184,8 @@ pub struct Driver {
     /// Whose turn it is to decide about an engine mount's references
     /// (shared with the engine-death rule).
     pub turns: Turns,
+    /// The registrations and the plugin's notes, as the agent holds them.
+    pub view: View,
 }
 
 impl Driver {
@@ -221,22 +224,58 @@ impl Driver {
             }
             Endpoint::Get => {
                 let r: p::NameRequest = parse(body)?;
-                let spec = self
-                    .registered(&r.name)?
-                    .ok_or(DriverError::NotRegistered {
-                        name: r.name.clone(),
-                    })?;
-                Ok(json!({ "Volume": self.show(&spec, true) }))
+                let known = self.known(&r.name)?.ok_or(DriverError::NotRegistered {
+                    name: r.name.clone(),
+                })?;
+                Ok(json!({ "Volume": self.show(&known) }))
             }
-            Endpoint::List => {
-                let vols = self
-                    .lifecycle
-                    .list_volumes()
-                    .map_err(DriverError::Registry)?;
-                let list: Vec<Value> = vols.iter().map(|s| self.show(s, false)).collect();
-                Ok(json!({ "Volumes": list }))
-            }
+            Endpoint::List => Ok(json!({ "Volumes": self.list() })),
         }
+    }
+
+    /// The registration of `name` as the agent holds it (`view`).
+    fn known(&self, name: &str) -> Result<Option<Known>, DriverError> {
+        self.check_name(name)?;
+        Ok(self.view.get(name))
+    }
+
+    /// Every volume with the first of this node's engine mounts of it:
+    /// one pass over the registrations and one over this node's engine
+    /// allocations.
+    fn list(&self) -> Vec<Value> {
+        let mut mountpoints: std::collections::HashMap<String, PathBuf> =
+            std::collections::HashMap::new();
+        self.lifecycle.store().read(|s| {
+            let engine = s
+                .allocs
+                .range_from(ALLOC_PREFIX.to_string())
+                .take_while(|(id, _)| id.starts_with(ALLOC_PREFIX));
+            for (_, a) in engine {
+                for v in a.volumes.values() {
+                    if v.phase == Phase::Published {
+                        mountpoints
+                            .entry(v.volume_id.clone())
+                            .or_insert_with(|| v.target_path.clone());
+                    }
+                }
+            }
+        });
+        self.view
+            .list()
+            .iter()
+            .map(|k| {
+                let mountpoint = mountpoints
+                    .get(&k.spec.id)
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                p::volume(
+                    &k.spec.id,
+                    &mountpoint,
+                    k.note.as_ref().map(|n| n.created_at.as_str()),
+                    None,
+                )
+            })
+            .collect()
     }
 
     fn check_name(&self, name: &str) -> Result<(), DriverError> {
@@ -269,31 +308,53 @@ impl Driver {
             }
             return Ok(());
         }
-        let warnings = match def {
+        let (spec, warnings) = match def {
             Definition::Refer => {
                 return Err(DriverError::NotRegistered {
                     name: name.to_string(),
                 })
             }
-            Definition::Register(spec) => self
-                .lifecycle
-                .register_volume(spec)
-                .map_err(DriverError::Registry)?,
-            Definition::Create(c) => {
-                self.lifecycle
-                    .create_volume(&c)
-                    .map_err(DriverError::Create)?
-                    .1
+            Definition::Register(spec) => {
+                let warnings = self
+                    .lifecycle
+                    .register_volume(spec.clone())
+                    .map_err(DriverError::Registry)?;
+                (spec, warnings)
             }
+            Definition::Create(c) => self
+                .lifecycle
+                .create_volume(&c)
+                .map_err(DriverError::Create)?,
         };
         log::info!("volume {name} registered through the Docker plugin protocol");
+        if let Err(e) = self.view.created(&spec) {
+            // Without its note an engine's Remove keeps the volume.
+            log::warn!(
+                "volume {name}: {e}: an engine's Remove will leave it registered (`claimd volume deregister {name}` removes it)"
+            );
+        }
         for w in warnings {
             log::warn!("{w}");
         }
         Ok(())
     }
 
+    /// Remove: an engine deregisters only what an engine registered
+    /// through this plugin (a volume with the plugin's note); one the CLI
+    /// or the API registered stays registered and the engine is answered
+    /// with success (it forgets its own record: `podman volume prune`
+    /// removes every volume no container uses). Refused while in use.
     fn remove(&self, name: &str) -> Result<(), DriverError> {
+        self.check_name(name)?;
+        if let Some(k) = self.view.get(name) {
+            if k.note.is_none() {
+                self.refuse_if_in_use(name)?;
+                log::info!(
+                    "volume {name}: an engine's Remove leaves it registered: it was registered with the claimd CLI or API (`claimd volume deregister {name}` removes it)"
+                );
+                return Ok(());
+            }
+        }
         let found = self
             .lifecycle
             .deregister_volume(name)
@@ -301,7 +362,32 @@ impl Driver {
         if found {
             log::info!("volume {name} deregistered through the Docker plugin protocol");
         }
+        if let Err(e) = self.view.removed(name) {
+            log::warn!("volume {name}: deregistered, but {e}");
+        }
         Ok(())
+    }
+
+    /// A volume claimed (by any node) or with a record on this node is in
+    /// use: named as `deregister` names it.
+    fn refuse_if_in_use(&self, name: &str) -> Result<(), DriverError> {
+        let claims = self
+            .lifecycle
+            .volume_claims(name)
+            .map_err(|e| DriverError::Registry(VolumeRegistryError::Claims(e)))?
+            .0;
+        let holder = claims.into_iter().next().map(|c| c.alloc_id).or_else(|| {
+            self.lifecycle
+                .store()
+                .read(|s| s.records_of_volume(name).first().map(|(a, _)| a.id.clone()))
+        });
+        match holder {
+            Some(holder) => Err(DriverError::Registry(VolumeRegistryError::InUse {
+                volume_id: name.to_string(),
+                holder,
+            })),
+            None => Ok(()),
+        }
     }
 
     /// Mount: one more reference when the allocation is mounted already
@@ -312,14 +398,24 @@ impl Driver {
     /// `mount_timeout`, then a give-up's undo (the config keeps their sum
     /// below the limit).
     fn mount(&self, name: &str, mount_id: &str) -> Result<PathBuf, DriverError> {
-        let spec = self.registered(name)?.ok_or(DriverError::NotRegistered {
-            name: name.to_string(),
-        })?;
+        // Not in the view yet (registered on another node a moment ago):
+        // the registry itself.
+        let spec = match self.known(name)? {
+            Some(k) => k.spec,
+            None => {
+                std::sync::Arc::new(self.registered(name)?.ok_or(DriverError::NotRegistered {
+                    name: name.to_string(),
+                })?)
+            }
+        };
         let alloc = alloc_id(name, mount_id)?;
+        // While it runs, the engine-death rule leaves alone the mounts of
+        // other volumes mounted before it: the same container's, maybe.
+        let _mounting = self.turns.mounting(name);
         let turn_wait = ENGINE_MOUNT_LIMIT
             .saturating_sub(ENGINE_ANSWER_MARGIN + self.mount_timeout + 2 * GIVE_UP_WAIT);
         let _turn = self.turn(&alloc, turn_wait)?;
-        self.turns.unmark(&alloc);
+        self.turns.mounted(&alloc);
         let added =
             self.lifecycle
                 .add_reference(&alloc)
@@ -328,6 +424,7 @@ impl Driver {
                     source,
                 })?;
         if let Some(n) = added {
+            self.turns.mounted(&alloc);
             log::info!("volume {name}: allocation {alloc} mounted again, {n} references");
             return self
                 .lifecycle
@@ -392,6 +489,7 @@ impl Driver {
                         source,
                     }
                 })?;
+                self.turns.mounted(&alloc);
                 log::info!("volume {name} mounted for allocation {alloc}");
                 path.ok_or_else(|| DriverError::Invalid("the mount answered no path".into()))
             }
@@ -485,65 +583,57 @@ impl Driver {
         })
     }
 
-    /// This node's mounts of `name` by the engines.
+    /// This node's mounts of `name` by the engines: the records of that
+    /// volume only (the state's index), with their reference counts.
     fn mounts(&self, name: &str) -> Vec<Mount> {
-        let mut out = Vec::new();
-        for a in self.lifecycle.list_allocs() {
-            let Some(mount_id) = mount_id_of(&a.id) else {
-                continue;
-            };
-            for v in &a.volumes {
-                if v.volume_id == name && v.phase == Some(Phase::Published) {
-                    out.push(Mount {
+        self.lifecycle.store().read(|s| {
+            s.records_of_volume(name)
+                .into_iter()
+                .filter(|(_, v)| v.phase == Phase::Published)
+                .filter_map(|(a, v)| {
+                    Some(Mount {
                         alloc_id: a.id.clone(),
-                        mount_id: mount_id.to_string(),
-                        path: v.host_path.clone(),
-                        read_only: v.read_only,
-                    });
-                }
-            }
-        }
-        out
+                        mount_id: mount_id_of(&a.id)?.to_string(),
+                        path: v.target_path.clone(),
+                        read_only: v.usage.read_only,
+                        references: a.references,
+                    })
+                })
+                .collect()
+        })
     }
 
-    /// A volume for `Get` (with its claims and mounts as `Status`) and
-    /// `List`.
-    fn show(&self, spec: &VolumeSpec, status: bool) -> Value {
+    /// A volume for `Get`: its registration (no secrets), this node's
+    /// engine mounts and the plugin's health, from what the agent holds.
+    fn show(&self, k: &Known) -> Value {
+        let spec = &k.spec;
         let mounts = self.mounts(&spec.id);
         let mountpoint = mounts
             .first()
             .map(|m| m.path.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if !status {
-            return p::volume(&spec.id, &mountpoint, None);
-        }
-        let claims: Vec<Value> = match self.lifecycle.volume_claims(&spec.id) {
-            Ok((claims, _)) => claims
-                .iter()
-                .map(|c| {
-                    json!({"allocation": c.alloc_id, "node": c.node, "mode": c.mode.name(),
-                           "access_mode": c.access_mode.name(), "state": c.state})
-                })
-                .collect(),
-            Err(e) => vec![json!({ "error": crate::error_chain(&e) })],
-        };
         let mounts: Vec<Value> = mounts
             .iter()
             .map(|m| {
                 json!({"allocation": m.alloc_id, "mount_id": m.mount_id,
                        "path": m.path, "read_only": m.read_only,
-                       "references": self.lifecycle.references(&m.alloc_id).unwrap_or(1)})
+                       "references": m.references})
             })
             .collect();
         let status = json!({
             "plugin_id": spec.plugin_id,
             "external_id": spec.external_id,
             "access_modes": spec.access_modes,
+            "registered_by": if k.note.is_some() { "engine" } else { "claimd CLI or API" },
             "plugin_health": self.lifecycle.plugin_health(&spec.plugin_id),
-            "claims": claims,
             "mounts": mounts,
         });
-        p::volume(&spec.id, &mountpoint, Some(status))
+        p::volume(
+            &spec.id,
+            &mountpoint,
+            k.note.as_ref().map(|n| n.created_at.as_str()),
+            Some(status),
+        )
     }
 }
 
@@ -552,6 +642,7 @@ struct Mount {
     mount_id: String,
     path: PathBuf,
     read_only: bool,
+    references: u32,
 }
 
 #[cfg(test)]

@@ -4,8 +4,10 @@
 //! mean (`options`), and each request turned into calls of the same
 //! [`Lifecycle`](crate::lifecycle::Lifecycle) facade the local API uses
 //! (`driver`), whose turn it is to decide about an engine mount
-//! (`references`), and the engine-death rule (`unused`: mounts no
-//! container uses any more are released). No lifecycle logic lives here.
+//! (`references`), the engine-death rule (`unused`: mounts no container
+//! uses any more are released), and what Get, List, Path and Mount read
+//! (`view`: the registrations as the agent holds them, and the plugin's
+//! notes on the volumes engines created). No lifecycle logic lives here.
 //!
 //! One allocation per mount ID: `Mount {Name, ID}` mounts volume `Name`
 //! for allocation `docker-<ID>-<Name>` (see [`alloc_id`]), and the
@@ -27,11 +29,13 @@
 //! Unmount drops one and releases the allocation at the last.
 
 mod driver;
+mod engines;
 mod options;
 mod protocol;
 mod references;
 mod server;
 mod unused;
+mod view;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -39,6 +43,7 @@ use std::path::PathBuf;
 pub use driver::{alloc_id, Driver, ALLOC_PREFIX};
 pub use options::{Definition, OptionError};
 pub use server::start;
+pub use unused::RuleHealth;
 
 /// Why the protocol cannot be served.
 #[derive(Debug)]

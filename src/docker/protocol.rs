@@ -106,9 +106,17 @@ pub fn error(message: &str) -> Value {
     json!({ "Err": message })
 }
 
-/// One volume as `Get` and `List` show it.
-pub fn volume(name: &str, mountpoint: &str, status: Option<Value>) -> Value {
+/// One volume as `Get` and `List` show it (`created_at`: RFC 3339).
+pub fn volume(
+    name: &str,
+    mountpoint: &str,
+    created_at: Option<&str>,
+    status: Option<Value>,
+) -> Value {
     let mut v = json!({"Name": name, "Mountpoint": mountpoint});
+    if let Some(c) = created_at {
+        v["CreatedAt"] = json!(c);
+    }
     if let Some(s) = status {
         v["Status"] = s;
     }

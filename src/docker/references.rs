@@ -6,27 +6,45 @@
 //! an allocation whose release an Unmount or the rule has just decided.
 //! The counts themselves are the lifecycle's (durable, in the allocation's
 //! record); the rule's marks (unused at one check) live here, and a Mount
-//! clears its allocation's mark.
+//! clears its allocation's mark. So do what keeps a mount from being a
+//! candidate at all: when each allocation was last mounted (in memory: an
+//! agent's restart counts as a Mount of every allocation), and how many
+//! Mount requests are running.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 /// The turns and marks of the engine mounts of one agent. Cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Turns {
     inner: Arc<Inner>,
 }
 
-#[derive(Default)]
+impl Default for Turns {
+    fn default() -> Turns {
+        Turns::new(true)
+    }
+}
+
 struct Inner {
     /// Allocations a request (or the rule) is deciding about now.
     busy: Mutex<HashSet<String>>,
     ended: Condvar,
     /// Allocations the engine-death rule found unused at its last check.
     marks: Mutex<BTreeSet<String>>,
+    /// When a Mount of each allocation last answered (this run).
+    mounted_at: Mutex<HashMap<String, Instant>>,
+    /// When this run began: the age of a mount no Mount of this run
+    /// answered counts from here; None: such a mount is old (after a
+    /// reboot, no container can hold it before a Mount).
+    since: Option<Instant>,
+    /// Mount requests running now: (request, volume, when it began).
+    running: Mutex<Vec<(u64, String, Instant)>>,
+    next: AtomicU64,
 }
 
 /// An allocation's turn; ends on drop.
@@ -39,6 +57,21 @@ impl Drop for Turn {
     fn drop(&mut self) {
         self.inner.busy.lock().remove(&self.alloc_id);
         self.inner.ended.notify_all();
+    }
+}
+
+/// One running Mount request; counted until dropped.
+pub struct Mounting {
+    inner: Arc<Inner>,
+    id: u64,
+}
+
+impl Drop for Mounting {
+    fn drop(&mut self) {
+        self.inner
+            .running
+            .lock()
+            .retain(|(id, _, _)| *id != self.id);
     }
 }
 
@@ -67,6 +100,73 @@ impl Turns {
         self.take(alloc_id, Duration::ZERO)
     }
 
+    /// The turns of an agent whose mounts without a Mount this run count
+    /// their age from now (`counts_from_start`), or are old at once.
+    pub fn new(counts_from_start: bool) -> Turns {
+        Turns {
+            inner: Arc::new(Inner {
+                busy: Mutex::default(),
+                ended: Condvar::new(),
+                marks: Mutex::default(),
+                mounted_at: Mutex::default(),
+                since: counts_from_start.then(Instant::now),
+                running: Mutex::default(),
+                next: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Counts a Mount request of `volume` as running until the answer is
+    /// dropped.
+    pub fn mounting(&self, volume: &str) -> Mounting {
+        let id = self.inner.next.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .running
+            .lock()
+            .push((id, volume.to_string(), Instant::now()));
+        Mounting {
+            inner: self.inner.clone(),
+            id,
+        }
+    }
+
+    /// How many Mount requests are running.
+    pub fn mounts_running(&self) -> usize {
+        self.inner.running.lock().len()
+    }
+
+    /// A Mount of the allocation answered now: its mark goes, its age
+    /// starts again.
+    pub fn mounted(&self, alloc_id: &str) {
+        self.unmark(alloc_id);
+        self.inner
+            .mounted_at
+            .lock()
+            .insert(alloc_id.to_string(), Instant::now());
+    }
+
+    /// Whether the engine-death rule must leave the allocation (of
+    /// `volume`) alone for now, however unused: younger than `min_age`
+    /// since its last Mount (or since this run began, when no Mount of
+    /// this run answered), or mounted this run before a Mount of another
+    /// volume that is still running (the engine mounts a container's
+    /// volumes one after another and starts it after the last).
+    pub fn protected(&self, alloc_id: &str, volume: &str, min_age: Duration) -> bool {
+        let at = self.inner.mounted_at.lock().get(alloc_id).copied();
+        match at {
+            Some(at) => {
+                at.elapsed() < min_age
+                    || self
+                        .inner
+                        .running
+                        .lock()
+                        .iter()
+                        .any(|(_, v, began)| v != volume && *began >= at)
+            }
+            None => self.inner.since.is_some_and(|s| s.elapsed() < min_age),
+        }
+    }
+
     /// Forgets the rule's mark of the allocation (mounted again, in use,
     /// or released).
     pub fn unmark(&self, alloc_id: &str) {
@@ -79,9 +179,14 @@ impl Turns {
         !self.inner.marks.lock().insert(alloc_id.to_string())
     }
 
-    /// Keeps the marks of these allocations only.
+    /// Keeps the marks (and Mount times) of these allocations only.
     pub fn retain_marks(&self, keep: impl Fn(&str) -> bool) {
         self.inner.marks.lock().retain(|a| keep(a));
+    }
+
+    /// Forgets the Mount times of allocations that are gone.
+    pub fn retain_mounted(&self, keep: impl Fn(&str) -> bool) {
+        self.inner.mounted_at.lock().retain(|a, _| keep(a));
     }
 }
 
@@ -118,5 +223,49 @@ mod tests {
         assert!(!turns.mark("docker-a-db"), "cleared: a fresh first mark");
         turns.retain_marks(|a| a != "docker-a-db");
         assert!(!turns.mark("docker-a-db"));
+        assert!(turns.mark("docker-a-db"));
+        turns.mounted("docker-a-db");
+        assert!(!turns.mark("docker-a-db"), "a Mount clears the mark");
+    }
+
+    #[test]
+    fn a_mount_is_protected_while_young_or_while_a_later_mount_of_another_volume_runs() {
+        let age = Duration::from_millis(30);
+        let turns = Turns::new(true);
+        assert!(
+            turns.protected("docker-a-db", "db", age),
+            "the run is young"
+        );
+        std::thread::sleep(age);
+        assert!(!turns.protected("docker-a-db", "db", age));
+        turns.mounted("docker-a-db");
+        assert!(turns.protected("docker-a-db", "db", age), "just mounted");
+        std::thread::sleep(age);
+        assert!(!turns.protected("docker-a-db", "db", age));
+        // The container's next volume is being mounted.
+        let web = turns.mounting("web");
+        let db = turns.mounting("db");
+        assert_eq!(turns.mounts_running(), 2);
+        assert!(turns.protected("docker-a-db", "db", age));
+        drop(web);
+        assert!(
+            !turns.protected("docker-a-db", "db", age),
+            "a Mount of its own volume waits for it, not the other way round"
+        );
+        drop(db);
+        // A Mount that began before the allocation's last Mount is not
+        // its container's next one.
+        let early = turns.mounting("web");
+        std::thread::sleep(Duration::from_millis(2));
+        turns.mounted("docker-b-db");
+        std::thread::sleep(age);
+        assert!(!turns.protected("docker-b-db", "db", age));
+        drop(early);
+        turns.retain_mounted(|_| false);
+        assert!(!turns.protected("docker-a-db", "db", age));
+        // After a reboot, a mount no Mount took again is old at once.
+        let rebooted = Turns::new(false);
+        assert!(!rebooted.protected("docker-a-db", "db", Duration::from_secs(60)));
+        assert_eq!(turns.mounts_running(), 0);
     }
 }

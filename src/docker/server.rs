@@ -27,11 +27,15 @@ const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Listens on the configured socket (replacing a stale one; refusing one
 /// that a live process answers on) and serves it on thread `docker-plugin`
-/// until the stop; starts the engine-death rule (thread `docker-unused`).
+/// until the stop; starts the engine-death rule (thread `docker-unused`),
+/// which shows in `health` why it releases nothing when it cannot see,
+/// and in cluster mode the volume view (thread `docker-view`; `etcd`: the
+/// cluster's client and key prefix).
 pub fn start(
     config: &DockerConfig,
     lifecycle: Lifecycle,
-    cluster: bool,
+    etcd: Option<(crate::etcd::EtcdClient, String)>,
+    health: super::RuleHealth,
     threads: &mut Threads,
     stop: Shutdown,
 ) -> Result<(), DockerError> {
@@ -42,7 +46,8 @@ pub fn start(
             path: socket.clone(),
             reason: e.to_string(),
         })?;
-    if lifecycle.store().rebooted() {
+    let rebooted = lifecycle.store().rebooted();
+    if rebooted {
         // The containers that held references died with the kernel; their
         // engines start them again with Mounts that count from nothing.
         match lifecycle.clear_references(super::ALLOC_PREFIX) {
@@ -56,18 +61,31 @@ pub fn start(
             ),
         }
     }
-    let turns = super::references::Turns::default();
+    // After a reboot no container holds a mount before the engine's Mount
+    // of it: those mounts are not young.
+    let turns = super::references::Turns::new(!rebooted);
     super::unused::start(
-        lifecycle.clone(),
-        turns.clone(),
-        config.unused_check_interval,
+        super::unused::Rule {
+            lifecycle: lifecycle.clone(),
+            turns: turns.clone(),
+            interval: config.unused_check_interval,
+            min_age: config.engine_mount_timeout,
+            driver: config.driver.clone(),
+            engine_sockets: config.engine_sockets.clone(),
+            health,
+        },
         threads,
         stop.clone(),
     )
     .map_err(DockerError::Thread)?;
+    let cluster = etcd.is_some();
+    let view = super::view::View::new(lifecycle.clone(), etcd);
+    view.start(threads, stop.clone())
+        .map_err(DockerError::Thread)?;
     let driver = Driver {
         lifecycle,
         cluster,
+        view,
         mount_timeout: config.mount_timeout,
         turns,
     };

@@ -9,24 +9,37 @@
 //! namespace outside its mount root (an engine that mounts the volume on
 //! the host for a copy). A mount that nothing uses at two checks in a row
 //! is released with every reference it counts (the engine that would have
-//! unmounted them is gone). A Mount of the allocation between two checks
-//! clears its mark, a request for it that is running keeps it, and the
-//! decision is made in the allocation's turn (`references`), so a Mount
-//! adding a reference and the rule never cross.
+//! unmounted them is gone).
 //!
-//! Conservative by design: a volume is in use while any other namespace
-//! holds any of its data (a second container, a copy of the host's mounts
-//! in a service's private namespace), so a mount in use is never
-//! released; one that is not may be kept a while longer. Two checks in a
-//! row leave a container a whole interval between Mount and its start.
-//! An agent in a PID namespace of its own cannot see the containers'
-//! processes: it keeps every mount and says why once. A namespace that
-//! cannot be read (a sandbox's init may refuse even root) is not seen: its
-//! mounts do not keep anything (said in the debug log).
+//! Never a candidate (no mark, a mark cleared): a mount in use; a mount
+//! younger than the engine's own Mount timeout (`engine_mount_timeout`,
+//! counted from its last Mount, or from the agent's start unless the node
+//! rebooted); a mount whose last Mount answered before a Mount of another
+//! volume that is still running began (an engine mounts a container's
+//! volumes one after another and starts the container after the last);
+//! a mount a request is deciding about; a mount of a volume that a
+//! container of an answering engine lists, in any state but removed
+//! (`engines`, asked before a release). A Mount clears its mount's mark,
+//! and the decision is made in the allocation's turn (`references`), so a
+//! Mount adding a reference and the rule never cross.
+//!
+//! Fails closed: the rule releases nothing, says why once in the log and
+//! shows it in `claimd health` (`RuleHealth`) while it cannot see every
+//! user: the agent is in a PID namespace of its own (it cannot see the
+//! containers' processes), or a task's mount table cannot be read (not
+//! because it ended). A task whose namespace link cannot be read (a
+//! sandbox's init may refuse even root; an agent without CAP_SYS_PTRACE
+//! is refused every other user's) is still judged by its mount table:
+//! when that table holds the agent's own root mount (mount IDs are unique
+//! across namespaces) it is the agent's own namespace, else another one
+//! whose mounts count as users.
 
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use super::driver::ALLOC_PREFIX;
 use super::references::Turns;
@@ -39,28 +52,64 @@ use crate::threads::Threads;
 /// every namespace.
 type Data = (String, String);
 
-pub fn start(
-    lifecycle: Lifecycle,
-    turns: Turns,
-    interval: Duration,
-    threads: &mut Threads,
-    stop: Shutdown,
-) -> std::io::Result<()> {
+/// Why the engine-death rule releases nothing now, for `claimd health`.
+/// Cheap to clone.
+#[derive(Clone, Default)]
+pub struct RuleHealth {
+    blind: Arc<Mutex<Option<String>>>,
+}
+
+impl RuleHealth {
+    /// The problem `claimd health` shows; None while the rule sees.
+    pub fn problem(&self) -> Option<String> {
+        self.blind
+            .lock()
+            .as_ref()
+            .map(|why| format!("docker: the engine-death rule releases no engine mount: {why}"))
+    }
+}
+
+/// What the rule is given.
+pub struct Rule {
+    pub lifecycle: Lifecycle,
+    pub turns: Turns,
+    pub interval: Duration,
+    /// A mount younger than this is never a candidate.
+    pub min_age: Duration,
+    /// The driver's name and the engines' API sockets (`engines`).
+    pub driver: String,
+    pub engine_sockets: Vec<std::path::PathBuf>,
+    pub health: RuleHealth,
+}
+
+pub fn start(rule: Rule, threads: &mut Threads, stop: Shutdown) -> std::io::Result<()> {
     threads.spawn("docker-unused", move || {
-        let mut blind = None;
-        while stop.sleep(interval) {
-            check(&lifecycle, &turns, &mut blind);
+        while stop.sleep(rule.interval) {
+            check(&rule);
         }
     })
 }
 
-/// The `(device, root)` and mount point (as mountinfo escapes it) of each
-/// line.
-fn parse(text: &str) -> Vec<(Data, String)> {
+/// One line of a mount table.
+#[derive(Clone, Debug, PartialEq)]
+struct Line {
+    /// The mount ID: unique across every namespace while the mount lives.
+    id: String,
+    data: Data,
+    /// As mountinfo escapes it.
+    mount_point: String,
+}
+
+/// The lines of a mount table (lines that are not one are skipped).
+fn parse(text: &str) -> Vec<Line> {
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.splitn(6, ' ').collect();
-            (f.len() == 6).then(|| ((f[2].to_string(), f[3].to_string()), f[4].to_string()))
+            (f.len() == 6).then(|| Line {
+                id: f[0].to_string(),
+                data: (f[2].to_string(), f[3].to_string()),
+                mount_point: f[4].to_string(),
+            })
         })
         .collect()
 }
@@ -103,51 +152,62 @@ struct Scan {
     users: HashSet<Data>,
     /// Why the look cannot tell which data is unused: every mount is kept.
     blind: Option<String>,
-    /// A namespace that could not be read (the first one): its mounts are
-    /// not seen.
-    unreadable: Option<String>,
+    /// Tasks whose namespace link could not be read, judged by their
+    /// mount tables (the first one, for the debug log).
+    unnamed: Option<String>,
 }
 
-/// A `/proc` entry of a process or thread that ended while it was read.
+/// A `/proc` entry of a process or thread that ended while it was read
+/// (a thread that has exited but whose process lives on has no namespace
+/// left: EINVAL).
 fn gone(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH)
+    e.kind() == std::io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::ESRCH | libc::EINVAL))
 }
 
 /// Whether this process sees the host's processes: in the initial PID
 /// namespace, PID 2 is the kernel's `kthreadd` (parent 0); in any other,
 /// the kernel's threads are not visible at all.
-fn sees_the_hosts_processes() -> bool {
-    std::fs::read_to_string("/proc/2/status").is_ok_and(|s| {
+fn sees_the_hosts_processes(proc: &Path) -> bool {
+    std::fs::read_to_string(proc.join("2/status")).is_ok_and(|s| {
         s.lines().any(|l| l == "Name:\tkthreadd") && s.lines().any(|l| l == "PPid:\t0")
     })
 }
 
-/// Looks at the mount namespace of every thread of every process (a
-/// thread may have one of its own: newer Docker unshares one for a copy
-/// out of a stopped container). A PID namespace that hides the host's
-/// processes makes the scan blind. A namespace that cannot be read is
-/// named, not counted: a sandbox's own init may refuse even root (as on
-/// the machines this is tested on), and counting it as holding
-/// everything would never release anything there.
-fn scan(own_mounts: &[(Data, String)], mount_root: &str) -> std::io::Result<Scan> {
-    let own = std::fs::read_link("/proc/self/ns/mnt")?;
-    let mut users: HashSet<Data> = own_mounts
+/// Looks at the mount namespace of every thread of every process under
+/// `proc` (a thread may have one of its own: newer Docker unshares one for
+/// a copy out of a stopped container). `own_ns` and `own` are the agent's
+/// namespace and mount table; `mount_root` the agent's mount root as
+/// mountinfo writes it, with a trailing `/`. Blind (keeping every mount)
+/// when a PID namespace hides the host's processes or a task's mount table
+/// cannot be read.
+fn scan(proc: &Path, own_ns: &Path, own: &[Line], mount_root: &str) -> std::io::Result<Scan> {
+    let mut users: HashSet<Data> = own
         .iter()
-        .filter(|(_, mp)| !mp.starts_with(mount_root))
-        .map(|(d, _)| d.clone())
+        .filter(|l| !l.mount_point.starts_with(mount_root))
+        .map(|l| l.data.clone())
         .collect();
-    if !sees_the_hosts_processes() {
+    if !sees_the_hosts_processes(proc) {
         return Ok(Scan {
             users,
-            unreadable: None,
+            unnamed: None,
             blind: Some(
                 "the agent runs in a PID namespace of its own and cannot see the containers' processes".to_string(),
             ),
         });
     }
-    let mut seen = HashSet::from([own]);
-    let mut unreadable = None;
-    for e in std::fs::read_dir("/proc")? {
+    // The agent's root mount: a mount table that holds it is the agent's
+    // own namespace's (a mount's ID belongs to one namespace).
+    let own_root = own.iter().find(|l| l.mount_point == "/").map(|l| &l.id);
+    let blind = |what: &Path, err: &std::io::Error| {
+        Some(format!(
+            "{} cannot be read ({err}): a container's use of the volumes cannot be ruled out",
+            what.display()
+        ))
+    };
+    let mut seen = HashSet::from([own_ns.to_path_buf()]);
+    let mut unnamed = None;
+    for e in std::fs::read_dir(proc)? {
         let Ok(e) = e else { continue };
         if !e
             .file_name()
@@ -157,12 +217,16 @@ fn scan(own_mounts: &[(Data, String)], mount_root: &str) -> std::io::Result<Scan
         {
             continue;
         }
-        let tasks = match std::fs::read_dir(e.path().join("task")) {
+        let task_dir = e.path().join("task");
+        let tasks = match std::fs::read_dir(&task_dir) {
             Ok(t) => t,
             Err(err) if gone(&err) => continue,
             Err(err) => {
-                unreadable.get_or_insert(format!("{}: {err}", e.path().join("task").display()));
-                continue;
+                return Ok(Scan {
+                    users,
+                    unnamed,
+                    blind: blind(&task_dir, &err),
+                })
             }
         };
         for t in tasks {
@@ -170,22 +234,34 @@ fn scan(own_mounts: &[(Data, String)], mount_root: &str) -> std::io::Result<Scan
             let task = t.path();
             // Threads come and go while we read: skip the ones gone.
             let ns = match std::fs::read_link(task.join("ns/mnt")) {
-                Ok(ns) => ns,
+                Ok(ns) => Some(ns),
                 Err(err) if gone(&err) => continue,
                 Err(err) => {
-                    unreadable.get_or_insert(format!("{}: {err}", task.join("ns/mnt").display()));
-                    continue;
+                    unnamed.get_or_insert(format!("{}: {err}", task.join("ns/mnt").display()));
+                    None
                 }
             };
-            if !seen.insert(ns) {
+            if ns.as_ref().is_some_and(|ns| !seen.insert(ns.clone())) {
                 continue;
             }
-            match std::fs::read_to_string(task.join("mountinfo")) {
-                Ok(text) => users.extend(parse(&text).into_iter().map(|(d, _)| d)),
+            let table = task.join("mountinfo");
+            match std::fs::read_to_string(&table) {
+                Ok(text) => {
+                    let lines = parse(&text);
+                    if ns.is_none() && own_root.is_some_and(|r| lines.iter().any(|l| &l.id == r)) {
+                        // The agent's own namespace, seen through a task
+                        // whose namespace link is refused.
+                        continue;
+                    }
+                    users.extend(lines.into_iter().map(|l| l.data));
+                }
                 Err(err) if gone(&err) => {}
                 Err(err) => {
-                    unreadable
-                        .get_or_insert(format!("{}: {err}", task.join("mountinfo").display()));
+                    return Ok(Scan {
+                        users,
+                        unnamed,
+                        blind: blind(&table, &err),
+                    })
                 }
             }
         }
@@ -193,82 +269,98 @@ fn scan(own_mounts: &[(Data, String)], mount_root: &str) -> std::io::Result<Scan
     Ok(Scan {
         users,
         blind: None,
-        unreadable,
+        unnamed,
     })
 }
 
-/// One check; `blind` is why the last check could not see (said once).
-fn check(lifecycle: &Lifecycle, turns: &Turns, blind: &mut Option<String>) {
-    let mounts: Vec<(String, std::path::PathBuf)> = lifecycle
+/// Says once (log and health) why the rule releases nothing, or that it
+/// sees again.
+fn set_blind(health: &RuleHealth, why: Option<String>) {
+    let mut blind = health.blind.lock();
+    match (&*blind, &why) {
+        (old, Some(why)) if old.as_deref() != Some(why.as_str()) => {
+            log::warn!("docker: the engine-death rule keeps every engine mount: {why}");
+        }
+        (Some(_), None) => {
+            log::info!("docker: the engine-death rule sees every mount namespace again")
+        }
+        _ => {}
+    }
+    *blind = why;
+}
+
+/// One check.
+fn check(rule: &Rule) {
+    let (lifecycle, turns) = (&rule.lifecycle, &rule.turns);
+    let mounts: Vec<(String, String, std::path::PathBuf)> = lifecycle
         .list_allocs()
         .into_iter()
         .filter(|a| a.id.starts_with(ALLOC_PREFIX) && !a.releasing)
         .filter_map(|a| {
             let v = a.volumes.first()?;
-            (v.phase == Some(Phase::Published)).then(|| (a.id.clone(), v.host_path.clone()))
+            (v.phase == Some(Phase::Published))
+                .then(|| (a.id.clone(), v.volume_id.clone(), v.host_path.clone()))
         })
         .collect();
-    turns.retain_marks(|id| mounts.iter().any(|(a, _)| a == id));
+    turns.retain_marks(|id| mounts.iter().any(|(a, _, _)| a == id));
+    turns.retain_mounted(|id| lifecycle.alloc_status(id).is_some());
     if mounts.is_empty() {
         return;
     }
     let root = &lifecycle.paths().mount_root;
     let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.clone());
     let root = format!("{}/", escape(&root));
-    let scanned = std::fs::read_to_string(crate::mounts::MOUNTINFO)
-        .map(|text| parse(&text))
-        .and_then(|own| scan(&own, &root).map(|s| (own, s)));
+    let scanned = std::fs::read_link("/proc/self/ns/mnt").and_then(|own_ns| {
+        let own = parse(&std::fs::read_to_string(crate::mounts::MOUNTINFO)?);
+        scan(Path::new("/proc"), &own_ns, &own, &root).map(|s| (own, s))
+    });
     let (own, users) = match scanned {
-        Ok((
-            _,
-            Scan {
-                blind: Some(why), ..
-            },
-        )) => {
-            // Nothing is released while the agent cannot see its users.
-            turns.retain_marks(|_| false);
-            if blind.as_deref() != Some(why.as_str()) {
-                log::warn!("docker: the engine-death rule keeps every engine mount: {why}");
-                *blind = Some(why);
-            }
-            log::debug!(
-                "docker: {} engine mount(s) kept unchecked: the rule cannot see",
-                mounts.len()
-            );
-            return;
-        }
-        Ok((
-            own,
-            Scan {
-                users, unreadable, ..
-            },
-        )) => {
-            if let Some(u) = unreadable {
+        Ok((own, scan)) => {
+            if let Some(why) = scan.blind {
+                // Nothing is released while the agent cannot see its users.
+                turns.retain_marks(|_| false);
+                set_blind(&rule.health, Some(why));
                 log::debug!(
-                    "docker: a mount namespace cannot be read, its mounts are not seen: {u}"
+                    "docker: {} engine mount(s) kept unchecked: the rule cannot see",
+                    mounts.len()
+                );
+                return;
+            }
+            if let Some(u) = scan.unnamed {
+                log::debug!(
+                    "docker: a mount namespace link cannot be read, its task is judged by its mount table: {u}"
                 );
             }
-            (own, users)
+            (own, scan.users)
         }
         Err(e) => {
             turns.retain_marks(|_| false);
-            log::warn!("docker: cannot tell which mounts containers use, keeping them all: {e}");
+            set_blind(
+                &rule.health,
+                Some(format!("the mount tables cannot be read: {e}")),
+            );
             return;
         }
     };
-    if blind.take().is_some() {
-        log::info!("docker: the engine-death rule sees every mount namespace again");
-    }
-    let mut in_use = 0;
-    for (alloc, path) in &mounts {
+    set_blind(&rule.health, None);
+    let (mut in_use, mut young) = (0, 0);
+    // Asked once per check, when a mount is about to be released.
+    let mut listed: Option<super::engines::Listed> = None;
+    for (alloc, volume, path) in &mounts {
         let target = escape(path);
         // The topmost mount at the target path is the published volume.
-        let Some((data, _)) = own.iter().rev().find(|(_, mp)| *mp == target) else {
+        let Some(line) = own.iter().rev().find(|l| l.mount_point == target) else {
             // Not mounted (being restored): nothing to judge yet.
             continue;
         };
-        if used_by(&users, data) {
+        if used_by(&users, &line.data) {
             in_use += 1;
+            turns.unmark(alloc);
+            continue;
+        }
+        if turns.protected(alloc, volume, rule.min_age) {
+            // Its container may not exist yet.
+            young += 1;
             turns.unmark(alloc);
             continue;
         }
@@ -279,6 +371,22 @@ fn check(lifecycle: &Lifecycle, turns: &Turns, blind: &mut Option<String>) {
         };
         if turns.mark(alloc) {
             turns.unmark(alloc);
+            let listed = listed.get_or_insert_with(|| {
+                super::engines::volumes_in_use(&rule.engine_sockets, &rule.driver)
+            });
+            if listed.volumes.contains(volume) {
+                in_use += 1;
+                log::debug!(
+                    "docker: a container of an engine ({}) lists volume {volume}: allocation {alloc} kept",
+                    listed
+                        .answered
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                continue;
+            }
             let references = lifecycle.references(alloc).unwrap_or(1);
             log::warn!(
                 "docker: no container uses the mount of allocation {alloc} any more (its engine stopped without Unmount): releasing it with its {references} reference(s)"
@@ -289,8 +397,9 @@ fn check(lifecycle: &Lifecycle, turns: &Turns, blind: &mut Option<String>) {
         }
     }
     log::debug!(
-        "docker: {} engine mount(s) checked, {in_use} in use by a container",
-        mounts.len()
+        "docker: {} engine mount(s) checked, {in_use} in use by a container, {young} too young or waiting for a Mount ({} running)",
+        mounts.len(),
+        turns.mounts_running()
     );
 }
 
@@ -298,16 +407,20 @@ fn check(lifecycle: &Lifecycle, turns: &Turns, blind: &mut Option<String>) {
 mod tests {
     use super::*;
 
+    fn line(id: &str, device: &str, root: &str, mount_point: &str) -> Line {
+        Line {
+            id: id.to_string(),
+            data: (device.to_string(), root.to_string()),
+            mount_point: mount_point.to_string(),
+        }
+    }
+
     #[test]
-    fn mountinfo_lines_give_device_root_and_escaped_mount_point() {
+    fn mountinfo_lines_give_id_device_root_and_escaped_mount_point() {
         let text = "36 25 0:32 /vols/db /m/per\\040alloc/t rw,relatime shared:1 - ext4 /dev/sda1 rw\nbad\n";
-        let p = parse(text);
         assert_eq!(
-            p,
-            [(
-                ("0:32".to_string(), "/vols/db".to_string()),
-                "/m/per\\040alloc/t".to_string()
-            )]
+            parse(text),
+            [line("36", "0:32", "/vols/db", "/m/per\\040alloc/t")]
         );
         assert_eq!(escape(Path::new("/m/per alloc/t")), "/m/per\\040alloc/t");
     }
@@ -336,21 +449,125 @@ mod tests {
     #[test]
     fn the_scan_sees_the_hosts_processes_and_the_agents_own_mounts_outside_its_root() {
         // As root in the host's PID namespace: nothing is hidden.
-        assert!(sees_the_hosts_processes());
-        let s = scan(&[], "/nowhere/").expect("scanned");
+        let proc = Path::new("/proc");
+        assert!(sees_the_hosts_processes(proc));
+        let own_ns = std::fs::read_link("/proc/self/ns/mnt").expect("own namespace");
+        let s = scan(proc, &own_ns, &[], "/nowhere/").expect("scanned");
         assert_eq!(s.blind, None);
         // The agent's own mounts outside its mount root count as users.
         let own = [
-            (
-                ("0:40".to_string(), "/v".to_string()),
-                "/m/per-alloc/t".to_string(),
-            ),
-            (
-                ("0:41".to_string(), "/w".to_string()),
-                "/elsewhere".to_string(),
-            ),
+            line("1", "0:40", "/v", "/m/per-alloc/t"),
+            line("2", "0:41", "/w", "/elsewhere"),
         ];
-        let s = scan(&own, "/m/").expect("scanned");
+        let s = scan(proc, &own_ns, &own, "/m/").expect("scanned");
         assert!(s.users.contains(&("0:41".to_string(), "/w".to_string())));
+        assert!(!s.users.contains(&("0:40".to_string(), "/v".to_string())));
+    }
+
+    /// A `/proc` holding kthreadd and the given tasks: (pid, namespace
+    /// link or None for one that is refused, mount table or None for one
+    /// that cannot be read).
+    fn fake_proc(dir: &Path, tasks: &[(&str, Option<&str>, Option<&str>)]) {
+        let kthreadd = dir.join("2/task/2");
+        std::fs::create_dir_all(kthreadd.join("ns")).expect("mkdir");
+        std::fs::write(dir.join("2/status"), "Name:\tkthreadd\nPPid:\t0\n").expect("write");
+        std::os::unix::fs::symlink("mnt:[1]", kthreadd.join("ns/mnt")).expect("symlink");
+        std::fs::write(kthreadd.join("mountinfo"), "1 0 0:1 / / rw - ext4 x rw\n").expect("write");
+        for (pid, ns, table) in tasks {
+            let task = dir.join(pid).join("task").join(pid);
+            std::fs::create_dir_all(task.join("ns")).expect("mkdir");
+            match ns {
+                Some(ns) => std::os::unix::fs::symlink(ns, task.join("ns/mnt")).expect("symlink"),
+                // Refused (not gone): ENOTDIR stands for EACCES, which
+                // root would not get here.
+                None => refused(&task.join("ns/mnt")),
+            }
+            match table {
+                Some(t) => std::fs::write(task.join("mountinfo"), t).expect("write"),
+                // A table that cannot be read: a directory (EISDIR).
+                None => std::fs::create_dir(task.join("mountinfo")).expect("mkdir"),
+            }
+        }
+    }
+
+    /// Makes `read_link(path)` fail with ENOTDIR: its directory is a
+    /// regular file.
+    fn refused(path: &Path) {
+        std::fs::remove_dir(path.parent().expect("ns")).expect("rmdir ns");
+        std::fs::write(path.parent().expect("ns"), "").expect("ns as a file");
+    }
+
+    #[test]
+    fn a_refused_namespace_link_is_judged_by_its_mount_table_and_an_unreadable_table_blinds_the_rule(
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let own = [
+            line("21", "0:1", "/", "/"),
+            line("50", "0:40", "/vols/db", "/m/a/t"),
+        ];
+        let own_ns = Path::new("mnt:[9]");
+        fake_proc(
+            dir.path(),
+            &[
+                // The agent's own namespace (its root mount 21), link
+                // refused: not a user of anything.
+                (
+                    "10",
+                    None,
+                    Some(
+                        "21 0 0:1 / / rw - ext4 x rw\n50 21 0:40 /vols/db /m/a/t rw - ext4 x rw\n",
+                    ),
+                ),
+                // Another namespace, link refused, binding the volume.
+                (
+                    "11",
+                    None,
+                    Some(
+                        "70 0 0:1 / / rw - ext4 x rw\n71 70 0:40 /vols/db/sub /c rw - ext4 x rw\n",
+                    ),
+                ),
+            ],
+        );
+        let s = scan(dir.path(), own_ns, &own, "/m/").expect("scanned");
+        assert_eq!(s.blind, None);
+        assert!(s.unnamed.is_some());
+        assert!(used_by(
+            &s.users,
+            &("0:40".to_string(), "/vols/db".to_string())
+        ));
+        assert!(
+            !s.users
+                .contains(&("0:40".to_string(), "/vols/db".to_string())),
+            "the agent's own mount is not a user"
+        );
+
+        // A table that cannot be read: nothing is released.
+        let dir = tempfile::tempdir().expect("tempdir");
+        fake_proc(dir.path(), &[("12", Some("mnt:[5]"), None)]);
+        let s = scan(dir.path(), own_ns, &own, "/m/").expect("scanned");
+        let why = s.blind.expect("blind");
+        assert!(why.contains("12/task/12/mountinfo cannot be read"), "{why}");
+
+        // A task directory that cannot be read: the same.
+        let dir = tempfile::tempdir().expect("tempdir");
+        fake_proc(dir.path(), &[]);
+        std::fs::create_dir(dir.path().join("13")).expect("mkdir");
+        std::fs::write(dir.path().join("13/task"), "").expect("task as a file");
+        let s = scan(dir.path(), own_ns, &own, "/m/").expect("scanned");
+        assert!(s.blind.expect("blind").contains("13/task cannot be read"));
+    }
+
+    #[test]
+    fn the_rules_blindness_is_said_once_and_shown_until_it_sees_again() {
+        let health = RuleHealth::default();
+        assert_eq!(health.problem(), None);
+        set_blind(&health, Some("x cannot be read".into()));
+        set_blind(&health, Some("x cannot be read".into()));
+        assert_eq!(
+            health.problem().as_deref(),
+            Some("docker: the engine-death rule releases no engine mount: x cannot be read")
+        );
+        set_blind(&health, None);
+        assert_eq!(health.problem(), None);
     }
 }

@@ -40,6 +40,9 @@ pub fn problems(o: &Observer) -> Vec<String> {
             ));
         }
     }
+    if let Some(p) = o.docker.as_ref().and_then(|d| d.problem()) {
+        out.push(p);
+    }
     for (alloc, alias, st) in o.lifecycle.release_reports() {
         match st {
             ReleaseState::Retrying { error, attempts } if attempts >= RELEASE_DEGRADED_ATTEMPTS => {

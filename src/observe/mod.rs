@@ -29,6 +29,8 @@ pub struct Observer {
     pub stats: StatsCache,
     /// Cluster mode: this node's liveness in etcd.
     pub cluster: Option<std::sync::Arc<crate::cluster::NodeLiveness>>,
+    /// With a `docker` section: why the engine-death rule releases nothing.
+    pub docker: Option<crate::docker::RuleHealth>,
 }
 
 impl Observer {
@@ -38,6 +40,7 @@ impl Observer {
             registry,
             stats: StatsCache::default(),
             cluster: None,
+            docker: None,
         }
     }
 

@@ -17,6 +17,9 @@ use std::time::Duration;
 use crate::agent_support::send_signal;
 use crate::common::*;
 
+mod world;
+pub use world::*;
+
 /// The image every test container runs: busybox-static's busybox and its
 /// links, `PATH=/bin`.
 pub const IMAGE: &str = "claimd-test-busybox:1";
@@ -166,9 +169,29 @@ impl Dockerd {
         let log = dir.join("dockerd.log");
         let socket = dir.join("docker.sock");
         let host = format!("unix://{}", socket.display());
-        let mut process = ChildProcess::new("dockerd");
-        let stderr = fs::File::create(&log).expect("create dockerd's log");
-        process.spawn(
+        let mut d = Dockerd {
+            dir: dir.clone(),
+            host,
+            log,
+            process: ChildProcess::new("dockerd"),
+        };
+        d.spawn();
+        let tar = image_tar(&dir);
+        let tar = tar.to_str().expect("UTF-8");
+        d.docker(&["import", "-c", "ENV PATH=/bin", tar, IMAGE])
+            .ok();
+        d
+    }
+
+    /// Starts the daemon process and waits until it answers.
+    fn spawn(&mut self) {
+        let stderr = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open dockerd's log");
+        let dir = &self.dir;
+        self.process.spawn(
             Command::new("dockerd")
                 .arg("--data-root")
                 .arg(dir.join("data"))
@@ -176,32 +199,41 @@ impl Dockerd {
                 .arg(dir.join("exec"))
                 .arg("--pidfile")
                 .arg(dir.join("dockerd.pid"))
-                .args(["-H", &host])
+                .args(["-H", &self.host])
                 .args(["--iptables=false", "--ip6tables=false", "--bridge=none"])
                 .arg("--storage-driver=vfs")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(stderr),
         );
-        let d = Dockerd {
-            dir: dir.clone(),
-            host,
-            log,
-            process,
-        };
+        let socket = dir.join("docker.sock");
         wait_until(DAEMON_START_TIMEOUT, "dockerd's socket", || {
             std::os::unix::net::UnixStream::connect(&socket).is_ok()
         });
         wait_until(DAEMON_START_TIMEOUT, "dockerd to answer", || {
-            d.docker(&["version", "--format", "{{.Server.Version}}"])
+            self.docker(&["version", "--format", "{{.Server.Version}}"])
                 .code
                 == 0
         });
-        let tar = image_tar(&dir);
-        let tar = tar.to_str().expect("UTF-8");
-        d.docker(&["import", "-c", "ENV PATH=/bin", tar, IMAGE])
-            .ok();
-        d
+    }
+
+    /// Stops the daemon (SIGTERM, as `systemctl restart` does) and starts
+    /// it again on the same directories: its volumes and containers stay.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    /// SIGTERM, then SIGKILL after DAEMON_STOP_TIMEOUT.
+    fn stop(&mut self) {
+        if let Some(pid) = self.process.pid() {
+            send_signal(pid, libc::SIGTERM);
+            let deadline = std::time::Instant::now() + DAEMON_STOP_TIMEOUT;
+            while std::time::Instant::now() < deadline && self.process.try_wait().is_none() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        self.process.kill();
     }
 
     /// `docker ARGS` against this daemon.
@@ -265,14 +297,7 @@ impl Drop for Dockerd {
             args.extend(ids);
             let _ = self.docker(&args);
         }
-        if let Some(pid) = self.process.pid() {
-            send_signal(pid, libc::SIGTERM);
-            let deadline = std::time::Instant::now() + DAEMON_STOP_TIMEOUT;
-            while std::time::Instant::now() < deadline && self.process.try_wait().is_none() {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        self.process.kill();
+        self.stop();
         // A daemon that was killed leaves its containers' shims behind.
         kill_processes_naming(&self.dir);
         if std::thread::panicking() {
