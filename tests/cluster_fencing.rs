@@ -223,13 +223,7 @@ fn an_attach_whose_answer_etcd_lost_is_undone_once_its_claim_is_gone() {
     // a goes away; its claim goes (as a reaper or an operator frees it).
     c.node_mut("a").agent.kill();
     c.wait_gone("a");
-    let key = format!("{PREFIX}/claims/v/p1");
-    let gone = c
-        .etcd
-        .client()
-        .delete_range(key.as_bytes(), b"")
-        .expect("delete in etcd");
-    assert_eq!(gone.deleted, 1, "{key} was not there");
+    c.delete_in_etcd("claims/v/p1");
     c.node("h").heal();
     wait_until(RETRY_TIMEOUT, "h to answer the request", || {
         c.attachment("v", "a")

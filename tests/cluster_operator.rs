@@ -124,18 +124,6 @@ fn claim_free_deletes_the_claim_and_writes_its_note_in_one_write() {
     assert_eq!(note["claim"]["node"], "a", "{note}");
 }
 
-/// Deletes `<prefix>/claims/v/<alloc>` straight in etcd, as `etcdctl del`
-/// (or an etcd restored from an older backup) would: no `freed/` note.
-fn delete_claim_in_etcd(c: &Cluster, alloc: &str) {
-    let key = format!("{PREFIX}/claims/v/{alloc}");
-    let gone = c
-        .etcd
-        .client()
-        .delete_range(key.as_bytes(), b"")
-        .expect("delete in etcd");
-    assert_eq!(gone.deleted, 1, "{key} was not there");
-}
-
 /// Issue 37, item 2: a claim that vanished from etcd without a `freed/`
 /// note, while its allocation is still mounted here, was only logged: the
 /// node kept the volume mounted and held nothing, so another node could
@@ -147,7 +135,8 @@ fn a_claim_gone_without_a_note_is_taken_again_by_its_node() {
     c.add_volume(&volume());
     let path = c.node("a").mount_ok("p1", "data=v");
     c.node_mut("a").agent.kill();
-    delete_claim_in_etcd(&c, "p1");
+    // No `freed/` note.
+    c.delete_in_etcd("claims/v/p1");
     c.node_mut("a").start_agent();
     wait_until(RETRY_TIMEOUT, "p1's claim to be taken again", || {
         c.holders("v") == ["p1"]
@@ -172,7 +161,8 @@ fn a_claim_gone_without_a_note_and_taken_elsewhere_releases_its_allocation() {
     c.add_volume(&volume());
     let path = c.node("a").mount_ok("p1", "data=v");
     c.node_mut("a").agent.kill();
-    delete_claim_in_etcd(&c, "p1");
+    // No `freed/` note.
+    c.delete_in_etcd("claims/v/p1");
     c.node("b").mount_ok("q1", "data=v");
     c.node_mut("a").start_agent();
     wait_until(RETRY_TIMEOUT, "a to release p1", || c.node("a").no_allocs());
@@ -234,10 +224,7 @@ fn a_liveness_key_deleted_by_hand_is_written_again_without_a_take() {
     let key = format!("{PREFIX}/nodes/a");
     let client = c.etcd.client();
     let before = client.get(&key).expect("read etcd").expect("nodes/a");
-    let gone = client
-        .delete_range(key.as_bytes(), b"")
-        .expect("delete in etcd");
-    assert_eq!(gone.deleted, 1);
+    c.delete_in_etcd("nodes/a");
     wait_until(SHOW_TIMEOUT, "nodes/a to be written again", || c.alive("a"));
     let after = client.get(&key).expect("read etcd").expect("nodes/a");
     assert_eq!(after.lease, before.lease, "not on the same lease");

@@ -75,9 +75,50 @@ pub fn volumes_in_use(sockets: &[PathBuf], driver: &str) -> Listed {
     listed
 }
 
+/// Connects without waiting: a wedged engine whose listen queue is full
+/// makes a blocking connect wait for ever (the answer's timeouts are set
+/// only after it); such an engine says nothing.
+fn connect(socket: &Path) -> Result<UnixStream, String> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::io::FromRawFd;
+    let path = socket.as_os_str().as_bytes();
+    // SAFETY: a zeroed sockaddr_un is valid; the path is copied in within
+    // its bounds (checked), NUL-terminated by the zeroing.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if path.len() >= addr.sun_path.len() {
+        return Err("the socket path is too long".to_string());
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(path) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain socket(2); the descriptor is owned by the stream below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // SAFETY: fd is a fresh socket nothing else owns.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: addr is a valid sockaddr_un of `len` bytes.
+    let r = unsafe { libc::connect(fd, std::ptr::addr_of!(addr).cast(), len) };
+    if r != 0 {
+        // A full listen queue answers EAGAIN at once instead of waiting.
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    Ok(stream)
+}
+
 /// Every container of the engine at `socket`, in any state.
 fn containers(socket: &Path) -> Result<Vec<Container>, String> {
-    let mut s = UnixStream::connect(socket).map_err(|e| e.to_string())?;
+    let mut s = connect(socket)?;
     s.set_read_timeout(Some(ENGINE_API_TIMEOUT))
         .and_then(|()| s.set_write_timeout(Some(ENGINE_API_TIMEOUT)))
         .map_err(|e| e.to_string())?;

@@ -28,6 +28,11 @@
 //! an allocation that is mounted adds one and answers the same path; an
 //! Unmount drops one and releases the allocation at the last.
 
+/// The one mount ID Podman sends (libpod's `pseudoCtrID`: the SHA-256 of
+/// "placeholder\n").
+pub const PODMAN_MOUNT_ID: &str =
+    "2f73349cfc4630255319c6c8dfc1b46a8996ace9d14d8e07563b165915918ec2";
+
 mod driver;
 mod engines;
 mod options;

@@ -241,12 +241,18 @@ fn scan(proc: &Path, own_ns: &Path, own: &[Line], mount_root: &str) -> std::io::
                     None
                 }
             };
-            if ns.as_ref().is_some_and(|ns| !seen.insert(ns.clone())) {
+            // A namespace counts as read only once a table of it was: a
+            // task that ended before its table could be read leaves the
+            // namespace to the next task in it.
+            if ns.as_ref().is_some_and(|ns| seen.contains(ns)) {
                 continue;
             }
             let table = task.join("mountinfo");
             match std::fs::read_to_string(&table) {
                 Ok(text) => {
+                    if let Some(ns) = &ns {
+                        seen.insert(ns.clone());
+                    }
                     let lines = parse(&text);
                     if ns.is_none() && own_root.is_some_and(|r| lines.iter().any(|l| &l.id == r)) {
                         // The agent's own namespace, seen through a task
@@ -374,6 +380,26 @@ fn check(rule: &Rule) {
             let listed = listed.get_or_insert_with(|| {
                 super::engines::volumes_in_use(&rule.engine_sockets, &rule.driver)
             });
+            // Podman starts a container of a volume it counts as mounted
+            // with no request to this plugin: only Podman itself can say
+            // none of its containers uses it.
+            let podman = alloc.starts_with(&format!(
+                "{}{}-",
+                super::driver::ALLOC_PREFIX,
+                super::PODMAN_MOUNT_ID
+            ));
+            if podman
+                && !listed
+                    .answered
+                    .iter()
+                    .any(|p| p.to_string_lossy().contains("podman"))
+            {
+                in_use += 1;
+                log::debug!(
+                    "docker: allocation {alloc} is Podman's and Podman's API socket did not answer: kept"
+                );
+                continue;
+            }
             if listed.volumes.contains(volume) {
                 in_use += 1;
                 log::debug!(
@@ -555,6 +581,43 @@ mod tests {
         std::fs::write(dir.path().join("13/task"), "").expect("task as a file");
         let s = scan(dir.path(), own_ns, &own, "/m/").expect("scanned");
         assert!(s.blind.expect("blind").contains("13/task cannot be read"));
+    }
+
+    /// A task that ends between its namespace link and its table leaves
+    /// its namespace to the next task in it (before, the namespace counted
+    /// as read, and its users went unseen: the review of issue 36).
+    #[test]
+    fn a_task_gone_before_its_table_leaves_its_namespace_to_the_next_task() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let own = [
+            line("21", "0:1", "/", "/"),
+            line("50", "0:40", "/vols/db", "/m/a/t"),
+        ];
+        let table = "70 0 0:1 / / rw - ext4 x rw\n71 70 0:40 /vols/db /c rw - ext4 x rw\n";
+        fake_proc(
+            dir.path(),
+            &[
+                ("14", Some("mnt:[7]"), Some(table)),
+                ("15", Some("mnt:[7]"), Some(table)),
+            ],
+        );
+        for gone in ["14", "15"] {
+            let t = dir
+                .path()
+                .join(gone)
+                .join("task")
+                .join(gone)
+                .join("mountinfo");
+            let kept = std::fs::read(&t).expect("read");
+            std::fs::remove_file(&t).expect("rm");
+            let s = scan(dir.path(), Path::new("mnt:[9]"), &own, "/m/").expect("scanned");
+            assert_eq!(s.blind, None);
+            assert!(
+                used_by(&s.users, &("0:40".to_string(), "/vols/db".to_string())),
+                "task {gone} gone: the other task's bind was not seen"
+            );
+            std::fs::write(&t, kept).expect("write");
+        }
     }
 
     #[test]

@@ -545,6 +545,18 @@ impl Cluster {
         }))
     }
 
+    /// Deletes `<prefix>/<rel>` straight in etcd, as `etcdctl del` (or an
+    /// etcd restored from an older backup) would; it must exist.
+    pub fn delete_in_etcd(&self, rel: &str) {
+        let key = format!("{PREFIX}/{rel}");
+        let gone = self
+            .etcd
+            .client()
+            .delete_range(key.as_bytes(), b"")
+            .expect("delete in etcd");
+        assert_eq!(gone.deleted, 1, "{key} was not there");
+    }
+
     /// The keys under `<prefix>/<rel>`, without the prefix, in order.
     pub fn keys(&self, rel: &str) -> Vec<String> {
         self.etcd
