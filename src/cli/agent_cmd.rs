@@ -75,6 +75,11 @@ CONFIG FIELDS (all optional) AND DEFAULTS:
                             or a plugin fails, naming what it waited on)
       unused_check_interval {dunused} (engine mounts no container uses
                             at two checks in a row are released)
+      engine_mount_timeout  {dengine} (an engine mount younger than
+                            this is never released by that rule)
+      engine_sockets        {dsockets} (asked
+                            before that rule releases: a container they
+                            list in any state keeps its volume)
 Durations are written like 500ms, 30s, 5m, 2h, 1d.
 
 SIGNALS:
@@ -116,6 +121,8 @@ EXIT CODES:
         ddriver = config::docker::DEFAULT_DOCKER_DRIVER,
         dmount = format_duration(config::docker::DEFAULT_DOCKER_MOUNT_TIMEOUT),
         dunused = format_duration(config::docker::DEFAULT_DOCKER_UNUSED_CHECK),
+        dengine = format_duration(config::docker::DEFAULT_ENGINE_MOUNT_TIMEOUT),
+        dsockets = config::docker::DEFAULT_ENGINE_SOCKETS.join(", "),
     )
 }
 
