@@ -139,17 +139,14 @@ impl EtcdClaims {
                         error: old.error.clone(),
                         retryable: old.retryable,
                         updated_at_ms: now,
-                        ..fresh(req, want, now, self.node_name())
+                        ..fresh(req, want, now)
                     };
                     (
                         Compare::mod_revision(key.clone(), CompareOp::Equal, *revision),
                         rec,
                     )
                 }
-                None => (
-                    Compare::absent(key.clone()),
-                    fresh(req, want, now, self.node_name()),
-                ),
+                None => (Compare::absent(key.clone()), fresh(req, want, now)),
             };
             let value = serde_json::to_vec(&rec).expect("a request always encodes");
             let mut compares = vec![compare];
@@ -311,7 +308,7 @@ impl EtcdClaims {
     }
 }
 
-fn fresh(req: &AttachRequest, want: Want, now: u64, by: &str) -> AttachmentRecord {
+fn fresh(req: &AttachRequest, want: Want, now: u64) -> AttachmentRecord {
     AttachmentRecord {
         volume_id: req.volume_id.clone(),
         node: req.node.clone(),
@@ -336,7 +333,6 @@ fn fresh(req: &AttachRequest, want: Want, now: u64, by: &str) -> AttachmentRecor
             Want::Attached => req.epoch,
             Want::Detached => 0,
         },
-        requested_by: (!by.is_empty()).then(|| by.to_string()),
     }
 }
 

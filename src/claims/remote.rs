@@ -85,10 +85,6 @@ pub struct AttachmentRecord {
     /// this node, and undoes an attach whose claim went during the call.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: i64,
-    /// The node whose agent wrote the request: the node itself, or another
-    /// one's reaper fencing it (older agents: absent).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub requested_by: Option<String>,
 }
 
 fn is_zero(n: &i64) -> bool {

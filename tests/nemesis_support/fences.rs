@@ -1,10 +1,15 @@
 //! Check (6): the cluster acts on a node only once it has been gone for
 //! its W (`observer_wait`, from the settings the node had published at
 //! the time) since its liveness key went. An act is a fence request
-//! (`attachments/<volume>/<node>` written pending, want detached, by
-//! another node: `requested_by`) or a reaper's free (a `freed/` note, by
-//! another node, for a disconnect), both read from etcd's full history at
-//! the end of the run, so none is missed however fast it was answered.
+//! (`attachments/<volume>/<node>` written pending, want detached, while
+//! another node's reaper holds `reaper-locks/<node>`: a reaper writes its
+//! fences only under that lock, which it takes only once it counted W) or
+//! a reaper's free (a `freed/` note, by another node, for a disconnect),
+//! both read from etcd's full history at the end of the run, so none is
+//! missed however fast it was answered. (A detach request of the node
+//! itself written while a reaper holds its lock counts as a fence too: the
+//! lock stands for the reaper's decision that W ran out, so such a request
+//! is late enough whenever the reaper was right.)
 //!
 //! etcd keeps revisions, not times. The harness polls etcd's revision
 //! every period (`poll_revisions`), noting each poll's send and return
@@ -67,6 +72,8 @@ struct NodeSeen {
     gone_at: Option<i64>,
     present: bool,
     wait: Option<Duration>,
+    /// The node whose reaper holds its lock now.
+    reaped_by: Option<String>,
 }
 
 /// Check (6) on etcd's history (`etcd_history`'s lines) and the polls.
@@ -82,6 +89,7 @@ pub fn check_acts(history: &[Value], polls: &Polls) -> (Vec<Violation>, FenceFig
     let settings_p = format!("{PREFIX}/node-settings/");
     let attach_p = format!("{PREFIX}/attachments/");
     let freed_p = format!("{PREFIX}/freed/");
+    let locks_p = format!("{PREFIX}/reaper-locks/");
     for e in history {
         let (Some(key), Some(rev), Some(op)) =
             (e["key"].as_str(), e["rev"].as_i64(), e["op"].as_str())
@@ -99,6 +107,11 @@ pub fn check_acts(history: &[Value], polls: &Polls) -> (Vec<Violation>, FenceFig
             s.gone_at = (!put).then_some(rev);
             continue;
         }
+        if let Some(n) = key.strip_prefix(&locks_p) {
+            nodes.entry(n.to_string()).or_default().reaped_by =
+                put.then(|| value["host"].as_str().unwrap_or("?").to_string());
+            continue;
+        }
         if let Some(n) = key.strip_prefix(&settings_p) {
             if put {
                 let w = serde_json::from_value::<NodeSettings>(value)
@@ -110,11 +123,13 @@ pub fn check_acts(history: &[Value], polls: &Polls) -> (Vec<Violation>, FenceFig
         }
         // The act, its node and who did it.
         let act = if key.starts_with(&attach_p) {
-            let (Some(node), Some(by)) = (value["node"].as_str(), value["requested_by"].as_str())
-            else {
+            let Some(node) = value["node"].as_str() else {
                 continue;
             };
-            if !put || value["want"] != "detached" || value["state"] != "pending" || by == node {
+            let Some(by) = nodes.get(node).and_then(|s| s.reaped_by.clone()) else {
+                continue;
+            };
+            if !put || value["want"] != "detached" || value["state"] != "pending" {
                 continue;
             }
             figures.fences += 1;
