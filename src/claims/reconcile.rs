@@ -155,16 +155,18 @@ impl EtcdClaims {
                         );
                         retaken.push((volume_id, alloc_id));
                     }
-                    Err(e @ (ClaimError::HeldByOther { .. } | ClaimError::Impossible { .. })) => {
-                        lost.push((
-                            volume_id,
-                            alloc_id,
-                            format!(
-                                "its claim vanished without a note of it being freed, and cannot be taken again: {e}"
-                            ),
-                        ))
-                    }
-                    Err(e) => return Err(e),
+                    // etcd did not answer: the reconciliation is retried.
+                    Err(e @ ClaimError::Unavailable { .. }) => return Err(e),
+                    // Held by another allocation, or never to be granted
+                    // (the volume deregistered meanwhile, a value that is
+                    // not a claim in the way): this node stops using it.
+                    Err(e) => lost.push((
+                        volume_id,
+                        alloc_id,
+                        format!(
+                            "its claim vanished without a note of it being freed, and cannot be taken again: {e}"
+                        ),
+                    )),
                 }
                 continue;
             };
