@@ -231,3 +231,142 @@ fn a_liveness_key_deleted_by_hand_is_written_again_without_a_take() {
     assert!(is_mount_point(&path));
     assert_eq!(c.holders("v"), ["p1"]);
 }
+
+// ---- Registrations changed by hand -------------------------------------------
+
+fn published(n: &Node) -> Vec<String> {
+    n.calls_of("NodePublishVolume")
+        .iter()
+        .map(|c| c["volume_id"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// A node keeps a copy of each registration it mounts (to restart without
+/// etcd); the copy was never brought up to date. "db" deregistered and
+/// registered again for other storage, and its old storage registered as
+/// "db2": node a, mounting "db" from its copy, published the storage node
+/// b publishes as "db2" (two claims, two writers of one disk). On 611966a
+/// a published ext-x for p2.
+#[test]
+fn a_volume_registered_again_for_other_storage_is_not_mounted_from_a_stale_copy() {
+    let c = Cluster::start(vec![nfs_node("a"), nfs_node("b")]);
+    let (a, b) = (c.node("a"), c.node("b"));
+    let modes = &["single-node-writer"];
+    c.add_volume(&volume_json("db", "ext-x", modes));
+    a.mount_ok("p1", "data=db");
+    a.release_ok("p1");
+    // Through b only: a's copy still names ext-x.
+    b.agent.cli(&["volume", "deregister", "db"]).ok();
+    a.plugin.add_volume("ext-y");
+    b.plugin.add_volume("ext-y");
+    b.agent.register(&volume_json("db", "ext-y", modes)).ok();
+    b.agent.register(&volume_json("db2", "ext-x", modes)).ok();
+    b.mount_ok("q1", "data=db2");
+    a.mount_ok("p2", "data=db");
+    assert_eq!(published(b), ["ext-x"]);
+    assert_eq!(
+        published(a),
+        ["ext-x", "ext-y"],
+        "a published p2 from a stale copy of db's registration"
+    );
+}
+
+/// A store's take for storage other than the registration names (a node's
+/// copy gone stale between its read and its take) must be refused, by the
+/// take itself: its `Txn` compares the registration's revision. Here the
+/// store reads the registration, the volume is registered again for other
+/// storage, then the store takes for what it read. On 611966a the take
+/// went through (and the storage the stale copy names was claimed as "v").
+#[test]
+fn a_take_compares_the_registration_it_takes_for() {
+    use claimd::claims::{Applied, ClaimChange, ClaimMode, ClaimRequest, StorageRef};
+    use claimd::claims::{ClaimStore, SharedVolumes, Transaction};
+    let c = Cluster::start(vec![nfs_node("a")]);
+    c.add_volume(&volume());
+    let dir = TestDir::new();
+    let state = std::sync::Arc::new(
+        claimd::state::StateStore::open(dir.path()).expect("a state directory"),
+    );
+    let store = claimd::claims::EtcdClaims::new(c.etcd.client(), PREFIX, state).with_node("b");
+    let spec = SharedVolumes::get(&store, "v").expect("read etcd");
+    assert_eq!(spec.map(|s| s.external_id).as_deref(), Some("ext-v"));
+    let a = c.node("a");
+    a.agent.cli(&["volume", "deregister", "v"]).ok();
+    a.plugin.add_volume("ext-w");
+    a.agent
+        .register(&volume_json("v", "ext-w", &["single-node-writer"]))
+        .ok();
+    let take = |storage: &str| {
+        let change = ClaimChange::Take(ClaimRequest {
+            volume_id: "v".to_string(),
+            alloc_id: "q1".to_string(),
+            node: "b".to_string(),
+            mode: ClaimMode::Write,
+            access_mode: claimd::volumes::AccessMode::SingleNodeWriter,
+            external_node_id: None,
+            storage: Some(StorageRef {
+                plugin_id: PLUGIN_ID.to_string(),
+                external_id: storage.to_string(),
+            }),
+        });
+        let mut record =
+            |_: &mut claimd::state::StateFile, _: &[Result<(), claimd::claims::ClaimError>]| {};
+        let applied = store
+            .transact(Transaction {
+                changes: vec![change],
+                wanted: &|_| true,
+                record: &mut record,
+                closing: false,
+            })
+            .expect("the local write");
+        let Applied::Done(mut outcomes) = applied else {
+            panic!("the take was not wanted")
+        };
+        outcomes.remove(0)
+    };
+    let stale = take("ext-v");
+    assert!(
+        stale
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("registered again")),
+        "{stale:?}"
+    );
+    assert!(c.holders("v").is_empty(), "{:?}", c.holders("v"));
+    assert_eq!(take("ext-w"), Ok(()));
+    assert_eq!(c.holders("v"), ["q1"]);
+}
+
+/// A registration replaced while the volume is claimed changes the
+/// storage under the claim. The agent's own check (a claim list) comes
+/// first; the write itself must hold against a take that lands after that
+/// check: one `Txn` comparing the volume's claims range empty. On 611966a
+/// the store's write replaced it.
+#[test]
+fn a_registration_never_changes_under_a_claim() {
+    use claimd::claims::SharedVolumes;
+    let c = Cluster::start(vec![nfs_node("a")]);
+    c.add_volume(&volume());
+    c.node("a").mount_ok("p1", "data=v");
+    let dir = TestDir::new();
+    let state = std::sync::Arc::new(
+        claimd::state::StateStore::open(dir.path()).expect("a state directory"),
+    );
+    let store = claimd::claims::EtcdClaims::new(c.etcd.client(), PREFIX, state);
+    let mut other: claimd::volumes::VolumeSpec =
+        serde_json::from_value(volume_json("v", "ext-w", &["single-node-writer"])).expect("a spec");
+    let r = SharedVolumes::register(&store, &other);
+    assert!(r.is_err(), "replaced the registration of a claimed volume");
+    assert_eq!(c.get_json("volumes/v").expect("v")["external_id"], "ext-v");
+    // A capacity is written into the registration as it is, whoever holds
+    // the volume; the same registration again is no change.
+    SharedVolumes::set_capacity(&store, "v", 4096, false).expect("capacity");
+    let now = c.get_json("volumes/v").expect("v");
+    assert_eq!(
+        (&now["external_id"], &now["capacity_bytes"]),
+        (&"ext-v".into(), &4096.into())
+    );
+    c.node("a").release_ok("p1");
+    other.capacity_bytes = 0;
+    SharedVolumes::register(&store, &other).expect("registered while unclaimed");
+    assert_eq!(c.get_json("volumes/v").expect("v")["external_id"], "ext-w");
+}

@@ -517,6 +517,7 @@ fn defect_12_a_release_between_a_refused_take_and_its_watch_is_seen() {
         mode: ClaimMode::Write,
         access_mode: claimd::volumes::AccessMode::SingleNodeWriter,
         external_node_id: None,
+        storage: None,
     });
     let mut record =
         |_: &mut claimd::state::StateFile, _: &[Result<(), claimd::claims::ClaimError>]| {};
@@ -929,6 +930,7 @@ fn take_q(alloc: &str) -> claimd::claims::ClaimChange {
         mode: claimd::claims::ClaimMode::Write,
         access_mode: claimd::volumes::AccessMode::SingleNodeWriter,
         external_node_id: None,
+        storage: None,
     })
 }
 

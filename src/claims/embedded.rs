@@ -156,6 +156,7 @@ mod tests {
             mode,
             access_mode: SingleNodeWriter,
             external_node_id: None,
+            storage: None,
         }
     }
 

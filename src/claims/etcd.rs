@@ -29,6 +29,9 @@ use parking_lot::Mutex;
 mod changes;
 mod index;
 mod nodes;
+mod registrations;
+
+pub(crate) use registrations::parse_spec;
 
 pub use index::NodeClaims;
 
@@ -228,6 +231,9 @@ pub struct EtcdClaims {
     /// revision, record): what its next write of one compares against.
     pub(super) attachments_seen:
         Arc<Mutex<HashMap<String, (i64, super::remote::AttachmentRecord)>>>,
+    /// Volume -> (mod revision, storage) of its registration as this node
+    /// last read it: what a take compares (`registration_for`).
+    pub(super) registrations: Arc<Mutex<HashMap<String, (i64, super::StorageRef)>>>,
 }
 
 impl EtcdClaims {
@@ -246,6 +252,7 @@ impl EtcdClaims {
             takes_in_flight: Default::default(),
             freed_retention: DEFAULT_FREED_NOTE_RETENTION,
             attachments_seen: Default::default(),
+            registrations: Default::default(),
         }
     }
 
@@ -486,70 +493,9 @@ impl EtcdClaims {
             takes_in_flight: self.takes_in_flight.clone(),
             freed_retention: self.freed_retention,
             attachments_seen: self.attachments_seen.clone(),
+            registrations: self.registrations.clone(),
         }
     }
-}
-
-impl SharedVolumes for EtcdClaims {
-    fn put(&self, spec: &VolumeSpec) -> Result<(), ClaimError> {
-        let value = serde_json::to_vec(spec).expect("a volume spec always encodes");
-        self.client
-            .put(self.volume_key(&spec.id), value)
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    /// One `Txn`: the registration goes only while the volume has no
-    /// claim (a take racing the deregistration makes it fail, never the
-    /// other way round).
-    fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
-        let key = self.volume_key(volume_id);
-        let unclaimed = Compare::prefix_empty(self.volume_prefix(volume_id));
-        let t = self
-            .client
-            .txn(&[unclaimed], &[TxnOp::delete(key.as_bytes())], &[])
-            .map_err(unavailable)?;
-        if !t.succeeded {
-            return Err(ClaimError::Impossible {
-                volume_id: volume_id.to_string(),
-                reason: "it is claimed (a claim was taken while it was being deregistered): release it first".to_string(),
-            });
-        }
-        Ok(t.responses
-            .first()
-            .is_some_and(|r| matches!(r, crate::etcd::TxnOpResponse::Delete(d) if d.deleted > 0)))
-    }
-
-    fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError> {
-        match self
-            .client
-            .get(self.volume_key(volume_id))
-            .map_err(unavailable)?
-        {
-            Some(kv) => parse_spec(&kv).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError> {
-        let r = self
-            .client
-            .range_prefix(format!("{}/volumes/", self.prefix))
-            .map_err(unavailable)?;
-        r.kvs.iter().map(parse_spec).collect()
-    }
-}
-
-pub(crate) fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
-    let spec: VolumeSpec = serde_json::from_slice(&kv.value).map_err(|e| ClaimError::Corrupt {
-        key: kv.key_str().into_owned(),
-        reason: e.to_string(),
-    })?;
-    spec.validate().map_err(|e| ClaimError::Corrupt {
-        key: kv.key_str().into_owned(),
-        reason: e.to_string(),
-    })?;
-    Ok(spec)
 }
 
 impl ClaimStore for EtcdClaims {

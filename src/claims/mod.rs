@@ -49,6 +49,28 @@ pub struct ClaimRequest {
     /// attach it: recorded with the claim from the start, so a node that
     /// dies between the attach and its result can still be detached.
     pub external_node_id: Option<String>,
+    /// The storage this node will call up with (from its record): a
+    /// cluster's take holds only while the volume's registration names it
+    /// (None: a store's own take, nothing to compare).
+    pub storage: Option<StorageRef>,
+}
+
+/// A volume's storage as a registration names it: the plugin and the
+/// plugin's own ID of the volume. Two claim names of one storage volume
+/// would be two claims of one disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StorageRef {
+    pub plugin_id: String,
+    pub external_id: String,
+}
+
+impl StorageRef {
+    pub fn of(spec: &VolumeSpec) -> StorageRef {
+        StorageRef {
+            plugin_id: spec.plugin_id.clone(),
+            external_id: spec.external_id.clone(),
+        }
+    }
 }
 
 /// One change of one claim. Every change is idempotent: applying it again
@@ -188,7 +210,17 @@ pub trait ClaimWatch: Send {
 /// Volume registrations shared by every node of a cluster (cluster stores
 /// only; on one node registrations live in the agent's own state).
 pub trait SharedVolumes: Send + Sync {
-    fn put(&self, spec: &VolumeSpec) -> Result<(), ClaimError>;
+    /// Registers the volume, or replaces its registration while nothing
+    /// claims it (one write comparing both): a registration never changes
+    /// under a claim, so a claim's storage is the one its take compared.
+    /// `Impossible` when claimed.
+    fn register(&self, spec: &VolumeSpec) -> Result<(), ClaimError>;
+    /// The capacity a controller reported (and whether a node expansion is
+    /// pending), written into the registration as it is now: the rest of
+    /// it (its storage) is never written back from an older copy. Nothing
+    /// when the volume is no longer registered.
+    fn set_capacity(&self, volume_id: &str, capacity: i64, pending: bool)
+        -> Result<(), ClaimError>;
     /// True when the volume was registered.
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError>;
     fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError>;

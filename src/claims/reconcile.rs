@@ -78,6 +78,10 @@ impl EtcdClaims {
                         },
                         access_mode: v.usage.access_mode,
                         external_node_id: v.external_node_id.clone(),
+                        storage: Some(super::StorageRef {
+                            plugin_id: v.plugin_id.clone(),
+                            external_id: v.external_volume_id.clone(),
+                        }),
                     };
                     (v.volume_id.clone(), a.id.clone(), req)
                 })

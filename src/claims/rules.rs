@@ -68,6 +68,7 @@ mod tests {
 
     fn req(alloc: &str, node: &str, mode: ClaimMode, am: AccessMode) -> ClaimRequest {
         ClaimRequest {
+            storage: None,
             volume_id: "v".into(),
             alloc_id: alloc.into(),
             node: node.into(),

@@ -133,6 +133,10 @@ impl Core {
                 ClaimMode::Write
             },
             access_mode: rec.usage.access_mode,
+            storage: Some(crate::claims::StorageRef {
+                plugin_id: rec.plugin_id.clone(),
+                external_id: rec.external_volume_id.clone(),
+            }),
         }
     }
 

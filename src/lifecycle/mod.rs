@@ -376,7 +376,7 @@ impl Lifecycle {
             self.refuse_if_claimed(&spec.id)?;
         }
         if let Some(r) = shared {
-            r.put(&spec).map_err(VolumeRegistryError::Claims)?;
+            r.register(&spec).map_err(VolumeRegistryError::Claims)?;
         }
         let mut warnings = Vec::new();
         if !self.core.registry.knows(&spec.plugin_id) {

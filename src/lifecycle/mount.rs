@@ -210,30 +210,68 @@ fn record_intent(
     Ok(None)
 }
 
-/// In cluster mode, the specs of requested volumes this node has no copy
-/// of yet are fetched from the cluster's registrations and kept in the
-/// node's own state (so it restarts without etcd). A volume registered
-/// nowhere stays unknown.
+/// In cluster mode, the node's copies of the requested volumes' specs
+/// (kept in its own state, so it restarts without etcd) are brought up to
+/// the cluster's registrations: a volume registered again for other
+/// storage, or deregistered, is not mounted from a stale copy (the take
+/// compares the registration too). A copy that records on this node still
+/// use with other storage is kept, and the mount refused. With etcd away
+/// the copy is used as it is (the take needs etcd anyway, and refuses a
+/// stale one).
 fn copy_shared_specs(core: &Core, reqs: &[VolumeRequest]) -> Result<(), MountError> {
     let Some(shared) = core.claims.shared_volumes() else {
         return Ok(());
     };
     for r in reqs {
-        if core.spec(&r.volume_id).is_some() {
+        let local = core.spec(&r.volume_id);
+        let cluster = match shared.get(&r.volume_id) {
+            Ok(cluster) => cluster,
+            Err(e) if local.is_some() => {
+                log::debug!(
+                    "volume {}: registration not read ({e}); using this node's copy",
+                    r.volume_id
+                );
+                continue;
+            }
+            Err(source) => {
+                return Err(MountError::Claim {
+                    alias: r.alias.clone(),
+                    source,
+                })
+            }
+        };
+        if cluster.as_ref() == local.as_deref() {
             continue;
         }
-        let spec = shared
-            .get(&r.volume_id)
-            .map_err(|source| MountError::Claim {
-                alias: r.alias.clone(),
-                source,
-            })?;
-        if let Some(spec) = spec {
-            core.store.update(|s| -> Result<(), MountError> {
-                s.volumes.insert(spec.id.clone(), Arc::new(spec));
-                Ok(())
-            })?;
-        }
+        core.store.update(|s| -> Result<(), MountError> {
+            let user = s.records_of_volume(&r.volume_id).into_iter().find(|(_, v)| {
+                match &cluster {
+                    None => true,
+                    Some(c) => c.plugin_id != v.plugin_id || c.external_id != v.external_volume_id,
+                }
+            });
+            if let Some((a, v)) = user {
+                if cluster.is_none() {
+                    // Deregistered under a record (a claim freed by hand):
+                    // the copy stays for it; new takes are refused.
+                    return Ok(());
+                }
+                return Err(MountError::Incompatible {
+                    alias: r.alias.clone(),
+                    volume_id: r.volume_id.clone(),
+                    holder: a.id.clone(),
+                    why: format!(
+                        "the cluster registered it again for other storage while allocation {} still uses {} here: release it first",
+                        a.id, v.external_volume_id
+                    ),
+                });
+            }
+            match &cluster {
+                Some(spec) => s.volumes.insert(spec.id.clone(), Arc::new(spec.clone())),
+                None => s.volumes.remove(&r.volume_id),
+            };
+            Ok(())
+        })?;
     }
     Ok(())
 }

@@ -57,6 +57,17 @@ impl EtcdClaims {
         let lease = self.lease_before();
         let key = self.key(&req.volume_id, &req.alloc_id);
         let mut liveness = self.take_liveness(req)?;
+        // The volume's registration, as naming the storage this node's
+        // record calls up: compared by the take, so a volume registered
+        // again for other storage is never claimed under a stale copy.
+        let mut registration = match &req.storage {
+            Some(storage) => Some(TakeRegistration {
+                key: self.volume_key(&req.volume_id),
+                revision: self.registration_for(&req.volume_id, storage)?,
+                storage,
+            }),
+            None => None,
+        };
         let mut read = None;
         let mut attempts = 0;
         loop {
@@ -77,13 +88,15 @@ impl EtcdClaims {
                     // reads what is there).
                     let mut compares = vec![Compare::prefix_empty(prefix.clone())];
                     compares.extend(liveness.compare());
+                    compares.extend(registration.as_ref().map(TakeRegistration::compare));
                     let stored = self.new_claim(req);
                     let value = serde_json::to_vec(&stored).expect("a claim always encodes");
-                    let t = self.take_txn(req, &liveness, &compares, &key, value, &prefix)?;
+                    let t = self.take_txn(req, &liveness, &registration, &compares, &key, value)?;
                     if t.succeeded {
                         self.took(req, key, stored, &t, lease);
                         return Ok(());
                     }
+                    self.registration_moved(req, &liveness, &mut registration, &t)?;
                     if let Some(again) = self.liveness_moved(req, &liveness, &t)? {
                         liveness = again;
                         continue;
@@ -173,12 +186,14 @@ impl EtcdClaims {
                     .with_prefix();
             let mut compares = vec![unchanged];
             compares.extend(liveness.compare());
-            let t = self.take_txn(req, &liveness, &compares, &key, value, &prefix)?;
+            compares.extend(registration.as_ref().map(TakeRegistration::compare));
+            let t = self.take_txn(req, &liveness, &registration, &compares, &key, value)?;
             if t.succeeded {
                 // A new key: created at the transaction's revision.
                 self.took(req, key, stored, &t, lease);
                 return Ok(());
             }
+            self.registration_moved(req, &liveness, &mut registration, &t)?;
             if let Some(again) = self.liveness_moved(req, &liveness, &t)? {
                 liveness = again;
                 continue;
@@ -217,14 +232,17 @@ impl EtcdClaims {
         &self,
         req: &ClaimRequest,
         liveness: &TakeLiveness,
+        registration: &Option<TakeRegistration<'_>>,
         compares: &[Compare],
         key: &str,
         value: Vec<u8>,
-        prefix: &str,
     ) -> Result<crate::etcd::TxnResponse, ClaimError> {
-        let mut failure = vec![TxnOp::get_prefix(prefix.to_string())];
+        let mut failure = vec![TxnOp::get_prefix(self.volume_prefix(&req.volume_id))];
         if let Some((k, _)) = &liveness.0 {
             failure.push(TxnOp::get(k.clone()));
+        }
+        if let Some(r) = registration {
+            failure.push(TxnOp::get(r.key.clone()));
         }
         self.client
             .txn(
@@ -241,6 +259,31 @@ impl EtcdClaims {
                 }
                 unavailable(e)
             })
+    }
+
+    /// After a take `Txn` failed: the registration as it read it (the
+    /// last of its reads). Moved but naming the same storage (a capacity
+    /// written): the next attempt compares the new revision; registered
+    /// again for other storage, or deregistered: `Impossible`.
+    fn registration_moved(
+        &self,
+        req: &ClaimRequest,
+        liveness: &TakeLiveness,
+        registration: &mut Option<TakeRegistration<'_>>,
+        t: &crate::etcd::TxnResponse,
+    ) -> Result<(), ClaimError> {
+        let Some(r) = registration else {
+            return Ok(());
+        };
+        let at = 1 + usize::from(liveness.0.is_some());
+        let Some(crate::etcd::TxnOpResponse::Range(read)) = t.responses.get(at) else {
+            return Err(ClaimError::Unavailable {
+                store: "etcd".to_string(),
+                reason: "a take's transaction answered without the read it asked for".to_string(),
+            });
+        };
+        r.revision = self.registration_matches(&req.volume_id, r.storage, read.kvs.first())?;
+        Ok(())
     }
 
     /// After a take `Txn` failed: whether its liveness compare did. Some
@@ -645,6 +688,20 @@ fn stored_volume(key: &str) -> String {
 /// How long a take waits for this agent's registration before it is
 /// refused (and retried by the mount with its backoff).
 const REGISTRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The registration a take compares, at the revision that named the
+/// take's storage.
+struct TakeRegistration<'a> {
+    key: String,
+    revision: i64,
+    storage: &'a crate::claims::StorageRef,
+}
+
+impl TakeRegistration<'_> {
+    fn compare(&self) -> Compare {
+        Compare::mod_revision(self.key.as_bytes(), CompareOp::Equal, self.revision)
+    }
+}
 
 /// The liveness key a take compares and its revision (None: no compare).
 struct TakeLiveness(Option<(String, i64)>);
