@@ -191,6 +191,11 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// The deadline of every CSI call to this registry's plugins.
+    pub fn call_timeout(&self) -> Duration {
+        self.inner.opts.call_timeout
+    }
+
     /// Starts a fingerprint thread for every configured plugin and, with a
     /// plugin directory, a scanner thread.
     pub fn start(

@@ -204,3 +204,45 @@ fn an_attach_whose_answer_etcd_lost_is_undone_once_its_claim_is_gone() {
         "{calls:?}"
     );
 }
+
+/// Issue 37, item 6: after a fence, the reaper waits for a ControllerPublish
+/// to the node that timed out before the fence but may still land, then
+/// fences again. That call's deadline is the sender's (a controller host,
+/// or the node itself), not the reaper's: the settle must be the longest
+/// deadline those published. Here the reaper h has a 2 s deadline and node
+/// a, the one fenced, a 5 s one. On 611966a the second fence came about
+/// 2 s after the first.
+#[test]
+fn the_settle_after_a_fence_waits_out_the_senders_deadline() {
+    const A_CALL_MS: u64 = 5000;
+    let c = Cluster::start(vec![
+        host("h", &["a"])
+            .stop_after_disconnect(STOP_AFTER)
+            .fencing()
+            .fenced_storage()
+            .csi_call_timeout("2s"),
+        node_only("a")
+            .proxied()
+            .stop_after_disconnect(STOP_AFTER)
+            .csi_call_timeout(&format!("{A_CALL_MS}ms"))
+            .fenced_storage(),
+    ]);
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    c.node("a").mount_ok("p1", "data=v");
+    let cut_at = now_ms();
+    c.node("a").cut();
+    c.wait_gone("a");
+    let h = c.node("h");
+    wait_until(RETRY_TIMEOUT * 2, "the second fence of a", || {
+        calls_for(h, CUP, &ext("a"), cut_at).len() >= 2
+    });
+    let fences = calls_for(h, CUP, &ext("a"), cut_at);
+    let gap = ts(&fences[1]).saturating_sub(ts(&fences[0]));
+    assert!(
+        gap >= A_CALL_MS,
+        "the fence was repeated {gap} ms after the first; a's CSI call deadline is {A_CALL_MS} ms: {fences:?}"
+    );
+    wait_until(RETRY_TIMEOUT, "v's claim to be freed", || {
+        c.holders("v").is_empty()
+    });
+}

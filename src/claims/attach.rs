@@ -542,6 +542,38 @@ impl EtcdClaims {
 }
 
 impl EtcdClaims {
+    /// The settle after a fence of `node`'s attachment of a `plugin_id`
+    /// volume: the longest CSI call deadline of those that may have sent a
+    /// ControllerPublish to it (every controller host of the plugin, the
+    /// node itself), as they published them, and never less than `own`.
+    /// What cannot be read counts as `own` (older agents publish none).
+    fn publish_settle(&self, own: Duration, node: &str, plugin_id: &str) -> Duration {
+        let ms = |v: &[u8]| {
+            serde_json::from_slice::<serde_json::Value>(v)
+                .ok()
+                .and_then(|j| j["csi_call_timeout_ms"].as_u64())
+        };
+        let mut settle = own;
+        let hosts = format!("{}/plugins/{plugin_id}/controllers/", self.prefix());
+        if let Ok(r) = self.client.range_prefix(&hosts) {
+            for kv in &r.kvs {
+                settle = settle.max(Duration::from_millis(ms(&kv.value).unwrap_or(0)));
+            }
+        }
+        let settings = super::etcd::settings_key(self.prefix(), node);
+        if let Ok(Some(kv)) = self.client.get(&settings) {
+            settle = settle.max(Duration::from_millis(ms(&kv.value).unwrap_or(0)));
+        }
+        if settle > own {
+            log::info!(
+                "cluster: the fence of node {node} settles for {settle:?} (the longest CSI call deadline published by it and plugin {plugin_id}'s controller hosts)"
+            );
+        }
+        settle
+    }
+}
+
+impl EtcdClaims {
     /// Detaches `volume_id` from `node` through a controller host when the
     /// node holds an attachment of it (the external node ID recorded at
     /// attach time), then frees the node's claims of the volume, each with
@@ -648,6 +680,7 @@ impl EtcdClaims {
                 if let Some(req) = &request {
                     self.detach_guarded(req, wait, shutdown, &gone)?;
                     if let Some(settle) = rule.publish_settle() {
+                        let settle = self.publish_settle(settle, node, &req.plugin_id);
                         // A ControllerPublish to the node that timed out
                         // before the fence may still land: wait out its
                         // bound, then unpublish again.

@@ -106,6 +106,11 @@ pub struct ControllerHostRecord {
     pub controller_capabilities: crate::csi::ControllerCapabilities,
     #[serde(default)]
     pub plugin_capabilities: crate::csi::PluginCapabilities,
+    /// The host's CSI call deadline: how long a ControllerPublish it sent
+    /// may still land (the reaper's settle after a fence). Absent from
+    /// older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_call_timeout_ms: Option<u64>,
 }
 
 /// The cluster's controller of a plugin, as a requesting node sees it.

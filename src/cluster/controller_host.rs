@@ -306,6 +306,7 @@ impl Host {
                 updated_at_ms: 0,
                 controller_capabilities: p.controller_capabilities.clone().unwrap_or_default(),
                 plugin_capabilities: p.plugin_capabilities.clone().unwrap_or_default(),
+                csi_call_timeout_ms: Some(self.registry.call_timeout().as_millis() as u64),
             };
             if self.announced.get(&p.id) == Some(&rec) {
                 continue;

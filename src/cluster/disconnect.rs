@@ -70,6 +70,7 @@ pub fn settings_entry(
             fencing::tau(fencing::self_release_period(lease_ttl)).as_millis() as u64,
         ),
         claim_index: true,
+        csi_call_timeout_ms: Some(csi_call.as_millis() as u64),
     };
     (
         crate::claims::etcd::settings_key(prefix, node),

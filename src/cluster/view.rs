@@ -48,6 +48,11 @@ pub struct NodeSettings {
     /// have taken claims it did not index.
     #[serde(default)]
     pub claim_index: bool,
+    /// The node's CSI call deadline: how long a ControllerPublish it sent
+    /// itself may still land (the reaper's settle after a fence). Absent
+    /// from older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_call_timeout_ms: Option<u64>,
 }
 
 /// U and τ assumed for a node that does not publish them.
