@@ -5,8 +5,10 @@
 //! Compiled in only with the `failpoints` cargo feature (the tests enable
 //! it; release builds and the package do not). Selected at run time with
 //! `CLAIMD_FAILPOINT=NAME[:ACTION[:N]]`: ACTION is `kill` (default: the
-//! process sends itself SIGKILL, like a crash) or `pause` (the thread stops
-//! forever, for a test to kill the agent at a known point); N (default 1)
+//! process sends itself SIGKILL, like a crash), `pause` (the thread stops
+//! forever, for a test to kill the agent at a known point) or `pause=MS`
+//! (the thread stops for MS milliseconds, then goes on: a process paused
+//! between two steps, as a SIGSTOP or a paused VM would); N (default 1)
 //! fires on the N-th time the point is reached. `claimd failpoints` lists
 //! them all.
 
@@ -53,7 +55,8 @@ mod imp {
     #[derive(Debug)]
     struct Selected {
         name: String,
-        pause: bool,
+        /// Some(None): for ever; Some(Some(d)): for `d`.
+        pause: Option<Option<std::time::Duration>>,
         nth: u64,
         hits: AtomicU64,
     }
@@ -70,11 +73,16 @@ mod imp {
                     std::process::exit(2);
                 }
                 let pause = match parts.next() {
-                    None | Some("kill") => false,
-                    Some("pause") => true,
+                    None | Some("kill") => None,
+                    Some("pause") => Some(None),
                     Some(other) => {
-                        eprintln!("claimd: {}: unknown action {other:?}", super::ENV);
-                        std::process::exit(2);
+                        match other.strip_prefix("pause=").and_then(|ms| ms.parse().ok()) {
+                            Some(ms) => Some(Some(std::time::Duration::from_millis(ms))),
+                            None => {
+                                eprintln!("claimd: {}: unknown action {other:?}", super::ENV);
+                                std::process::exit(2);
+                            }
+                        }
                     }
                 };
                 let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
@@ -95,12 +103,21 @@ mod imp {
         if s.name != name || s.hits.fetch_add(1, Ordering::SeqCst) + 1 != s.nth {
             return;
         }
-        if s.pause {
-            eprintln!("claimd: failpoint {name}: paused");
-            log::warn!("failpoint {name}: paused");
-            loop {
-                std::thread::park();
+        match s.pause {
+            Some(None) => {
+                eprintln!("claimd: failpoint {name}: paused");
+                log::warn!("failpoint {name}: paused");
+                loop {
+                    std::thread::park();
+                }
             }
+            Some(Some(d)) => {
+                log::warn!("failpoint {name}: paused for {d:?}");
+                std::thread::sleep(d);
+                log::warn!("failpoint {name}: going on after {d:?}");
+                return;
+            }
+            None => {}
         }
         eprintln!("claimd: failpoint {name}: killing the agent");
         // SAFETY: kill(2) on our own pid; SIGKILL cannot be caught, so this

@@ -544,11 +544,16 @@ fn nemesis() {
                 .expect("start a client");
         }
         let (shared, nodes, etcd, plan) = (&shared, &mut nodes, &mut etcd, &plan);
-        let (r, extra, newer) = (rng.fork(1), rng.fork(2), rng.fork(3));
+        let streams = faults::Streams {
+            first: rng.fork(1),
+            extra: rng.fork(2),
+            newer: rng.fork(3),
+            latest: rng.fork(4),
+        };
         thread::Builder::new()
             .name("faults".into())
             .spawn_scoped(s, move || {
-                faults::run(shared, nodes, etcd, r, extra, newer, plan, deadline)
+                faults::run(shared, nodes, etcd, streams, plan, deadline)
             })
             .expect("start the faults");
     });

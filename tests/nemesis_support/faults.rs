@@ -44,6 +44,39 @@ const LOSS_PERCENT: u64 = 50;
 /// a seed keeps the rounds it drew before they existed.
 const NEWER_PERCENT: u64 = 30;
 const NEWER_KINDS: [Kind; 3] = [Kind::LinkFlap, Kind::LivenessDeleted, Kind::LongCut];
+/// The chance (percent) that a round is followed by one of the faults
+/// added with issue 37's second part (`LATEST_KINDS`), from a fourth
+/// stream (seeds keep their earlier rounds).
+const LATEST_PERCENT: u64 = 30;
+const LATEST_KINDS: [Kind; 2] = [Kind::StepCrash, Kind::StepPause];
+/// Failpoints between two writes of a multi-step change (etcd then the
+/// local record, the intent then the calls, a call then its record, the
+/// release's mark, the free, the closing write): a `StepCrash` kills the
+/// agent at one of them.
+const CRASH_POINTS: [&str; 13] = [
+    "etcd-before-round-trip",
+    "etcd-after-round-trip",
+    "mount-after-record",
+    "mount-after-intent",
+    "after-controller-publish",
+    "after-node-stage",
+    "after-node-publish",
+    "release-after-mark",
+    "after-node-unpublish",
+    "after-node-unstage",
+    "after-controller-unpublish",
+    "release-after-claim-freed",
+    "answer-before-closing-write",
+];
+/// Failpoints between a call up's lease check and its send: a `StepPause`
+/// holds the thread there.
+const PAUSE_POINTS: [&str; 3] = [
+    "before-controller-publish",
+    "before-node-stage",
+    "before-node-publish",
+];
+/// The variable the agents' failpoints are chosen by.
+const FAILPOINT_ENV: &str = "CLAIMD_FAILPOINT";
 /// How often the executor looks at due steps and restarting agents.
 const TICK: Duration = Duration::from_millis(10);
 
@@ -67,6 +100,12 @@ pub enum Kind {
     /// A link cut longer than TTL + W: the other nodes' reapers act on
     /// the node's volumes (the faults above heal before that).
     LongCut,
+    /// The agent restarted to kill itself at a step between two writes
+    /// (its N-th time there), then started again without it.
+    StepCrash,
+    /// The agent restarted to hold one call up between its lease check
+    /// and its send (up to TTL + W), while its link is cut.
+    StepPause,
 }
 
 impl Kind {
@@ -84,6 +123,8 @@ impl Kind {
             Kind::LinkFlap => "link-flap",
             Kind::LivenessDeleted => "liveness-key-deleted",
             Kind::LongCut => "long-link-cut",
+            Kind::StepCrash => "crash-between-writes",
+            Kind::StepPause => "pause-after-lease-check",
         }
     }
 
@@ -141,6 +182,11 @@ enum Action {
     SetSlow(usize, Value),
     ClearSlow(usize),
     DeleteLiveness(usize),
+    /// Restarts the agent with this failpoint.
+    Arm(usize, String),
+    /// Drops the failpoint from the agent's next starts; restarts it now
+    /// when it died of it, or (true) when it may still.
+    Disarm(usize, bool),
 }
 
 impl Action {
@@ -163,6 +209,8 @@ impl Action {
             Action::SetSlow(..) => "slow-controller-on",
             Action::ClearSlow(_) => "slow-controller-off",
             Action::DeleteLiveness(_) => "delete-liveness-key",
+            Action::Arm(..) => "restart-with-failpoint",
+            Action::Disarm(..) => "drop-failpoint",
         }
     }
 }
@@ -365,6 +413,38 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
                 (held, Action::HealLink(d.node)),
             ]
         }
+        Kind::StepCrash => {
+            let point =
+                CRASH_POINTS[usize::try_from(d.d1 % CRASH_POINTS.len() as u64).expect("fits")];
+            let spec = format!("{point}:kill:{}", 1 + d.d2 % 3);
+            let held = pick(1500, 8000, d.d1 >> 8);
+            ev["node"] = json!(node);
+            ev["failpoint"] = json!(spec);
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::Arm(d.node, spec)),
+                (held, Action::Disarm(d.node, true)),
+            ]
+        }
+        Kind::StepPause => {
+            let point =
+                PAUSE_POINTS[usize::try_from(d.d1 % PAUSE_POINTS.len() as u64).expect("fits")];
+            let pause = pick(ttl, plan.reap_ms + 3000, d.d1 >> 8);
+            let spec = format!("{point}:pause={pause}:{}", 1 + d.d2 % 3);
+            let cut_at = pick(0, 3000, d.d2 >> 8);
+            let cut = pick(ttl + 500, plan.reap_ms + 5000, d.d1 ^ d.d2);
+            ev["node"] = json!(node);
+            ev["failpoint"] = json!(spec);
+            ev["cut_at_ms"] = json!(cut_at);
+            ev["cut_ms"] = json!(cut);
+            // Held until a pause that began before the heal has ended.
+            vec![
+                (0, Action::Arm(d.node, spec)),
+                (cut_at, Action::CutLink(d.node, Cut::Both)),
+                (cut_at + cut, Action::HealLink(d.node)),
+                (cut_at + cut + pause, Action::Disarm(d.node, false)),
+            ]
+        }
         Kind::PluginRestart => {
             let down = pick(0, 1500, d.d1);
             ev["node"] = json!(node);
@@ -425,19 +505,30 @@ fn compatible(first: &Fault, second: &Fault, k1: Kind, k2: Kind) -> bool {
     }
 }
 
+/// The random streams of the schedule (see the module's doc).
+pub struct Streams {
+    pub first: Rng,
+    pub extra: Rng,
+    pub newer: Rng,
+    pub latest: Rng,
+}
+
 /// Injects faults until `deadline`; every fault is undone before the next
 /// round and before this returns.
-#[allow(clippy::too_many_arguments)]
 pub fn run(
     shared: &Arc<Shared>,
     nodes: &mut [Node],
     etcd: &mut EtcdCluster,
-    mut rng: Rng,
-    mut extra: Rng,
-    mut newer: Rng,
+    streams: Streams,
     plan: &Plan,
     deadline: Instant,
 ) {
+    let Streams {
+        first: mut rng,
+        mut extra,
+        mut newer,
+        mut latest,
+    } = streams;
     let mut round = 0u64;
     loop {
         // The first stream, as it was drawn before overlaps existed.
@@ -456,6 +547,11 @@ pub fn run(
         let newer_kind = *newer.pick(&NEWER_KINDS);
         let (newer_node, newer_gap) = (newer.index(nodes.len()), newer.range(300, 2500));
         let (g1, g2) = (newer.next_u64(), newer.next_u64());
+        // The fourth stream: a round of a latest fault after those.
+        let then_latest = latest.chance(LATEST_PERCENT);
+        let latest_kind = *latest.pick(&LATEST_KINDS);
+        let (latest_node, latest_gap) = (latest.index(nodes.len()), latest.range(300, 2500));
+        let (h1, h2) = (latest.next_u64(), latest.next_u64());
         hold(gap);
         revive_crashed(shared, nodes);
         if Instant::now() >= deadline {
@@ -517,33 +613,51 @@ pub fn run(
             f.ev["end_ms"] = json!(shared.since_ms());
             shared.event(std::mem::take(&mut f.ev));
         }
-        if !then_newer {
-            continue;
-        }
-        hold(newer_gap);
-        revive_crashed(shared, nodes);
-        if Instant::now() >= deadline {
-            return;
-        }
-        round += 1;
-        let d = Draw {
-            kind: newer_kind,
-            node: newer_node,
-            member: 0,
-            d1: g1,
-            d2: g2,
-            lossy: false,
-            loss: 0,
-        };
-        let start = shared.since_ms();
-        if let Some(mut f) = build(d, plan, nodes, start) {
-            f.ev["round"] = json!(round);
-            let mut one = vec![f];
-            execute(shared, nodes, etcd, &mut one);
-            for mut f in one {
-                f.ev["end_ms"] = json!(shared.since_ms());
-                shared.event(std::mem::take(&mut f.ev));
+        let later = [
+            (then_newer, newer_kind, newer_node, newer_gap, g1, g2),
+            (then_latest, latest_kind, latest_node, latest_gap, h1, h2),
+        ];
+        for (then, kind, node, gap, d1, d2) in later {
+            if !then {
+                continue;
             }
+            hold(gap);
+            revive_crashed(shared, nodes);
+            if Instant::now() >= deadline {
+                return;
+            }
+            round += 1;
+            let d = Draw {
+                kind,
+                node,
+                member: 0,
+                d1,
+                d2,
+                lossy: false,
+                loss: 0,
+            };
+            run_alone(shared, nodes, etcd, plan, d, round);
+        }
+    }
+}
+
+/// One fault in a round of its own.
+fn run_alone(
+    shared: &Shared,
+    nodes: &mut [Node],
+    etcd: &mut EtcdCluster,
+    plan: &Plan,
+    d: Draw,
+    round: u64,
+) {
+    let start = shared.since_ms();
+    if let Some(mut f) = build(d, plan, nodes, start) {
+        f.ev["round"] = json!(round);
+        let mut one = vec![f];
+        execute(shared, nodes, etcd, &mut one);
+        for mut f in one {
+            f.ev["end_ms"] = json!(shared.since_ms());
+            shared.event(std::mem::take(&mut f.ev));
         }
     }
 }
@@ -590,6 +704,12 @@ fn poll_starting(
 ) {
     starting.retain(|&(fi, ni, since)| {
         let n = &nodes[ni];
+        if n.armed.is_some() && n.agent_exited() {
+            // Killed by its failpoint before it listened: the fault's own
+            // step starts it again.
+            faults[fi].ev["died_before_listening"] = json!(true);
+            return false;
+        }
         let res = if wait {
             n.wait_listening().map(|_| ())
         } else if std::os::unix::net::UnixStream::connect(n.socket()).is_ok() {
@@ -704,6 +824,27 @@ fn step(
         Action::StartPlugin(ni) => nodes[ni].plugin.restart(),
         Action::SetSlow(h, rules) => nodes[h].plugin.faults().set(rules),
         Action::ClearSlow(h) => nodes[h].plugin.faults().clear(),
+        Action::Arm(ni, spec) => {
+            let n = &mut nodes[ni];
+            n.agent.kill();
+            n.agent.envs.retain(|(k, _)| k != FAILPOINT_ENV);
+            n.agent.envs.push((FAILPOINT_ENV.to_string(), spec.clone()));
+            n.armed = Some(spec);
+            n.agent.spawn();
+            starting.push((fi, ni, Instant::now()));
+        }
+        Action::Disarm(ni, restart) => {
+            let n = &mut nodes[ni];
+            let died = n.agent_exited();
+            f.ev["died_at_failpoint"] = json!(died);
+            n.agent.envs.retain(|(k, _)| k != FAILPOINT_ENV);
+            n.armed = None;
+            if died || restart {
+                n.agent.kill();
+                n.agent.spawn();
+                starting.push((fi, ni, Instant::now()));
+            }
+        }
         Action::DeleteLiveness(ni) => {
             let key = format!("{}/nodes/{}", super::nodes::PREFIX, nodes[ni].name);
             match etcd.client().delete_range(key.as_bytes(), b"") {

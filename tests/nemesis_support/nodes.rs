@@ -48,6 +48,9 @@ pub struct Node {
     pub link: Link,
     pub name: String,
     pub is_host: bool,
+    /// The failpoint the agent runs with (`CLAIMD_FAILPOINT`), if any: an
+    /// agent that dies of it did not crash on its own.
+    pub armed: Option<String>,
 }
 
 impl Node {
@@ -107,6 +110,7 @@ impl Node {
             link,
             name: name.to_string(),
             is_host,
+            armed: None,
         }
     }
 
