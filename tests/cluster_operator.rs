@@ -307,6 +307,7 @@ fn a_take_compares_the_registration_it_takes_for() {
             storage: Some(StorageRef {
                 plugin_id: PLUGIN_ID.to_string(),
                 external_id: storage.to_string(),
+                context: Default::default(),
             }),
         });
         let mut record =
@@ -359,7 +360,9 @@ fn a_registration_never_changes_under_a_claim() {
     assert_eq!(c.get_json("volumes/v").expect("v")["external_id"], "ext-v");
     // A capacity is written into the registration as it is, whoever holds
     // the volume; the same registration again is no change.
-    SharedVolumes::set_capacity(&store, "v", 4096, false).expect("capacity");
+    let registered: claimd::volumes::VolumeSpec =
+        serde_json::from_value(c.get_json("volumes/v").expect("v")).expect("a spec");
+    SharedVolumes::set_capacity(&store, &registered, 4096, false).expect("capacity");
     let now = c.get_json("volumes/v").expect("v");
     assert_eq!(
         (&now["external_id"], &now["capacity_bytes"]),
@@ -369,4 +372,49 @@ fn a_registration_never_changes_under_a_claim() {
     other.capacity_bytes = 0;
     SharedVolumes::register(&store, &other).expect("registered while unclaimed");
     assert_eq!(c.get_json("volumes/v").expect("v")["external_id"], "ext-w");
+}
+
+/// One storage volume (a plugin's external ID) has one name in the
+/// cluster: two names would be two claims, two writers of one disk. A
+/// second registration of the storage under another name is refused; one
+/// written without the storage index (by an agent older than it, or by
+/// hand) is refused at its take while the first name registers the
+/// storage. On 611966a both names were registered and taken.
+#[test]
+fn one_storage_volume_has_one_name_in_the_cluster() {
+    let c = Cluster::start(vec![nfs_node("a"), nfs_node("b")]);
+    let modes = &["single-node-writer"];
+    c.add_volume(&volume_json("db", "ext-x", modes));
+    let b = &c.node("b").agent;
+    let text = serde_json::to_vec(&volume_json("db2", "ext-x", modes)).expect("encode");
+    let socket = b.config.api_socket.to_str().expect("UTF-8 socket path");
+    let out = run_claimd(
+        &["volume", "register", "-", "--socket", socket],
+        Some(&text),
+        &[],
+        CLI_TIMEOUT,
+    );
+    assert_ne!(out.code, EXIT_OK, "db2 registered: {out:?}");
+    assert!(
+        out.stderr.contains("registered as volume db"),
+        "{}",
+        out.stderr
+    );
+    assert!(c.get_json("volumes/db2").is_none());
+    // As an older agent writes it: no index, no compare.
+    let spec = serde_json::to_vec(&volume_json("db2", "ext-x", modes)).expect("encode");
+    c.etcd
+        .client()
+        .put(format!("{PREFIX}/volumes/db2"), spec)
+        .expect("write etcd");
+    c.node("a").mount_ok("p1", "data=db");
+    let out = c.node("b").mount("q1", "data=db2", &[]);
+    assert_ne!(out.code, EXIT_OK, "db2 mounted: {out:?}");
+    assert!(
+        out.stderr.contains("registered as volume db"),
+        "{}",
+        out.stderr
+    );
+    assert!(c.holders("db2").is_empty(), "{:?}", c.holders("db2"));
+    assert_eq!(c.holders("db"), ["p1"]);
 }

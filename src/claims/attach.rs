@@ -23,6 +23,9 @@ use crate::volumes::Usage;
 /// A watch etcd has not answered on for this long (an idle stream asks for
 /// progress every `etcd::watch::AUTO_PROGRESS`) is stale.
 const WATCH_STALE_AFTER: Duration = Duration::from_secs(6);
+/// The longest settle after a fence, whatever a host published: a host
+/// configured with a deadline of hours would hold every reap that long.
+const MAX_SETTLE: Duration = Duration::from_secs(600);
 
 /// The first and the longest pause between two reads of a request that
 /// waits for its result.
@@ -545,31 +548,40 @@ impl EtcdClaims {
     /// The settle after a fence of `node`'s attachment of a `plugin_id`
     /// volume: the longest CSI call deadline of those that may have sent a
     /// ControllerPublish to it (every controller host of the plugin, the
-    /// node itself), as they published them, and never less than `own`.
-    /// What cannot be read counts as `own` (older agents publish none).
-    fn publish_settle(&self, own: Duration, node: &str, plugin_id: &str) -> Duration {
+    /// node itself), as they published them, never less than `own` and
+    /// never more than `MAX_SETTLE`. Older agents publish none (they count
+    /// as `own`); an etcd that does not answer fails the fence's free (the
+    /// reaper tries again), never shortens the settle.
+    fn publish_settle(
+        &self,
+        own: Duration,
+        node: &str,
+        plugin_id: &str,
+    ) -> Result<Duration, ClaimError> {
         let ms = |v: &[u8]| {
             serde_json::from_slice::<serde_json::Value>(v)
                 .ok()
                 .and_then(|j| j["csi_call_timeout_ms"].as_u64())
+                .map_or(Duration::ZERO, Duration::from_millis)
         };
-        let mut settle = own;
         let hosts = format!("{}/plugins/{plugin_id}/controllers/", self.prefix());
-        if let Ok(r) = self.client.range_prefix(&hosts) {
-            for kv in &r.kvs {
-                settle = settle.max(Duration::from_millis(ms(&kv.value).unwrap_or(0)));
-            }
-        }
+        let r = self.client.range_prefix(&hosts).map_err(unavailable)?;
         let settings = super::etcd::settings_key(self.prefix(), node);
-        if let Ok(Some(kv)) = self.client.get(&settings) {
-            settle = settle.max(Duration::from_millis(ms(&kv.value).unwrap_or(0)));
-        }
+        let own_node = self.client.get(&settings).map_err(unavailable)?;
+        let published = r
+            .kvs
+            .iter()
+            .chain(own_node.as_ref())
+            .map(|kv| ms(&kv.value))
+            .max()
+            .unwrap_or_default();
+        let settle = own.max(published.min(MAX_SETTLE));
         if settle > own {
             log::info!(
                 "cluster: the fence of node {node} settles for {settle:?} (the longest CSI call deadline published by it and plugin {plugin_id}'s controller hosts)"
             );
         }
-        settle
+        Ok(settle)
     }
 }
 
@@ -680,7 +692,9 @@ impl EtcdClaims {
                 if let Some(req) = &request {
                     self.detach_guarded(req, wait, shutdown, &gone)?;
                     if let Some(settle) = rule.publish_settle() {
-                        let settle = self.publish_settle(settle, node, &req.plugin_id);
+                        let settle = self
+                            .publish_settle(settle, node, &req.plugin_id)
+                            .map_err(AttachError::Store)?;
                         // A ControllerPublish to the node that timed out
                         // before the fence may still land: wait out its
                         // bound, then unpublish again.

@@ -62,6 +62,9 @@ pub struct ClaimRequest {
 pub struct StorageRef {
     pub plugin_id: String,
     pub external_id: String,
+    /// The volume context the calls up carry (a static volume's share or
+    /// path may be named there).
+    pub context: BTreeMap<String, String>,
 }
 
 impl StorageRef {
@@ -69,7 +72,14 @@ impl StorageRef {
         StorageRef {
             plugin_id: spec.plugin_id.clone(),
             external_id: spec.external_id.clone(),
+            context: spec.context.clone(),
         }
+    }
+
+    /// The storage volume itself (plugin and external ID), whatever the
+    /// context.
+    pub fn volume(&self) -> (&str, &str) {
+        (&self.plugin_id, &self.external_id)
     }
 }
 
@@ -219,8 +229,12 @@ pub trait SharedVolumes: Send + Sync {
     /// pending), written into the registration as it is now: the rest of
     /// it (its storage) is never written back from an older copy. Nothing
     /// when the volume is no longer registered.
-    fn set_capacity(&self, volume_id: &str, capacity: i64, pending: bool)
-        -> Result<(), ClaimError>;
+    fn set_capacity(
+        &self,
+        spec: &VolumeSpec,
+        capacity: i64,
+        pending: bool,
+    ) -> Result<(), ClaimError>;
     /// True when the volume was registered.
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError>;
     fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError>;

@@ -81,6 +81,11 @@ impl EtcdClaims {
                         storage: Some(super::StorageRef {
                             plugin_id: v.plugin_id.clone(),
                             external_id: v.external_volume_id.clone(),
+                            context: s
+                                .volumes
+                                .get(&v.volume_id)
+                                .map(|spec| spec.context.clone())
+                                .unwrap_or_default(),
                         }),
                     };
                     (v.volume_id.clone(), a.id.clone(), req)

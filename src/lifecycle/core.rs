@@ -136,6 +136,10 @@ impl Core {
             storage: Some(crate::claims::StorageRef {
                 plugin_id: rec.plugin_id.clone(),
                 external_id: rec.external_volume_id.clone(),
+                context: self
+                    .spec(&rec.volume_id)
+                    .map(|s| s.context.clone())
+                    .unwrap_or_default(),
             }),
         }
     }

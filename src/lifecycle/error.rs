@@ -525,6 +525,9 @@ impl fmt::Display for VolumeRegistryError {
                 "volume {volume_id} is in use by allocation {holder}; release it first"
             ),
             VolumeRegistryError::State(_) => write!(f, "the volume registry could not be saved"),
+            VolumeRegistryError::Claims(ClaimError::Impossible { .. }) => {
+                write!(f, "the cluster refuses it")
+            }
             VolumeRegistryError::Claims(_) => {
                 write!(f, "cannot tell whether the volume is claimed")
             }

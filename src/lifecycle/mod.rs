@@ -388,7 +388,15 @@ impl Lifecycle {
         self.core
             .store
             .update(|s| -> Result<(), VolumeRegistryError> {
-                s.volumes.insert(spec.id.clone(), Arc::new(spec));
+                // A record here still using other storage (its claim freed
+                // by hand) keeps the copy its calls down need; the next
+                // mount brings it up to date once the record is gone.
+                let still_used = s.records_of_volume(&spec.id).iter().any(|(_, v)| {
+                    v.plugin_id != spec.plugin_id || v.external_volume_id != spec.external_id
+                });
+                if !still_used {
+                    s.volumes.insert(spec.id.clone(), Arc::new(spec));
+                }
                 Ok(())
             })?;
         Ok(warnings)

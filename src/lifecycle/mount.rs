@@ -244,10 +244,19 @@ fn copy_shared_specs(core: &Core, reqs: &[VolumeRequest]) -> Result<(), MountErr
             continue;
         }
         core.store.update(|s| -> Result<(), MountError> {
+            // The calls up of its records carry the copy's context.
+            let context_moved = match (&cluster, &local) {
+                (Some(c), Some(l)) => c.context != l.context,
+                _ => false,
+            };
             let user = s.records_of_volume(&r.volume_id).into_iter().find(|(_, v)| {
                 match &cluster {
                     None => true,
-                    Some(c) => c.plugin_id != v.plugin_id || c.external_id != v.external_volume_id,
+                    Some(c) => {
+                        context_moved
+                            || c.plugin_id != v.plugin_id
+                            || c.external_id != v.external_volume_id
+                    }
                 }
             });
             if let Some((a, v)) = user {

@@ -414,7 +414,7 @@ fn record_capacity(
     updated.node_expansion_pending = pending;
     if let Some(shared) = core.claims.shared_volumes() {
         shared
-            .set_capacity(&spec.id, capacity, pending)
+            .set_capacity(spec, capacity, pending)
             .map_err(|e| VolumeOpError::Registry(super::error::VolumeRegistryError::Claims(e)))?;
     }
     core.store.update(|s| -> Result<(), VolumeOpError> {

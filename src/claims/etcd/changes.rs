@@ -61,11 +61,20 @@ impl EtcdClaims {
         // record calls up: compared by the take, so a volume registered
         // again for other storage is never claimed under a stale copy.
         let mut registration = match &req.storage {
-            Some(storage) => Some(TakeRegistration {
-                key: self.volume_key(&req.volume_id),
-                revision: self.registration_for(&req.volume_id, storage)?,
-                storage,
-            }),
+            Some(storage) => {
+                let revision = self.registration_for(&req.volume_id, storage)?;
+                // One name per storage volume (registrations older than the
+                // index get it here).
+                self.name_storage(storage, &req.volume_id)?;
+                let (index, named) = self.storage_named(storage, &req.volume_id);
+                Some(TakeRegistration {
+                    key: self.volume_key(&req.volume_id),
+                    revision,
+                    storage,
+                    index,
+                    named,
+                })
+            }
             None => None,
         };
         let mut read = None;
@@ -88,7 +97,7 @@ impl EtcdClaims {
                     // reads what is there).
                     let mut compares = vec![Compare::prefix_empty(prefix.clone())];
                     compares.extend(liveness.compare());
-                    compares.extend(registration.as_ref().map(TakeRegistration::compare));
+                    compares.extend(registration.iter().flat_map(TakeRegistration::compares));
                     let stored = self.new_claim(req);
                     let value = serde_json::to_vec(&stored).expect("a claim always encodes");
                     let t = self.take_txn(req, &liveness, &registration, &compares, &key, value)?;
@@ -186,7 +195,7 @@ impl EtcdClaims {
                     .with_prefix();
             let mut compares = vec![unchanged];
             compares.extend(liveness.compare());
-            compares.extend(registration.as_ref().map(TakeRegistration::compare));
+            compares.extend(registration.iter().flat_map(TakeRegistration::compares));
             let t = self.take_txn(req, &liveness, &registration, &compares, &key, value)?;
             if t.succeeded {
                 // A new key: created at the transaction's revision.
@@ -243,6 +252,7 @@ impl EtcdClaims {
         }
         if let Some(r) = registration {
             failure.push(TxnOp::get(r.key.clone()));
+            failure.push(TxnOp::get(r.index.clone()));
         }
         self.client
             .txn(
@@ -276,13 +286,17 @@ impl EtcdClaims {
             return Ok(());
         };
         let at = 1 + usize::from(liveness.0.is_some());
-        let Some(crate::etcd::TxnOpResponse::Range(read)) = t.responses.get(at) else {
-            return Err(ClaimError::Unavailable {
+        let read = |i: usize| match t.responses.get(i) {
+            Some(crate::etcd::TxnOpResponse::Range(read)) => Ok(read.kvs.first()),
+            _ => Err(ClaimError::Unavailable {
                 store: "etcd".to_string(),
                 reason: "a take's transaction answered without the read it asked for".to_string(),
-            });
+            }),
         };
-        r.revision = self.registration_matches(&req.volume_id, r.storage, read.kvs.first())?;
+        r.revision = self.registration_matches(&req.volume_id, r.storage, read(at)?)?;
+        if !read(at + 1)?.is_some_and(|kv| kv.value == req.volume_id.as_bytes()) {
+            self.name_storage(r.storage, &req.volume_id)?;
+        }
         Ok(())
     }
 
@@ -695,11 +709,17 @@ struct TakeRegistration<'a> {
     key: String,
     revision: i64,
     storage: &'a crate::claims::StorageRef,
+    /// The storage index and its compare (it names this volume).
+    index: String,
+    named: Compare,
 }
 
 impl TakeRegistration<'_> {
-    fn compare(&self) -> Compare {
-        Compare::mod_revision(self.key.as_bytes(), CompareOp::Equal, self.revision)
+    fn compares(&self) -> [Compare; 2] {
+        [
+            Compare::mod_revision(self.key.as_bytes(), CompareOp::Equal, self.revision),
+            self.named.clone(),
+        ]
     }
 }
 

@@ -1,6 +1,9 @@
 //! Volume registrations in etcd (`<prefix>/volumes/<id>`): written only
 //! while nothing claims the volume, and compared by every take, so a claim
-//! is always a claim of the storage its registration names.
+//! is always a claim of the storage its registration names. One storage
+//! volume (a plugin's external ID) is registered under one name: the
+//! index `<prefix>/storage/<plugin>/<hex of the external ID>` names it,
+//! and every registration and every take compares it.
 
 use super::*;
 use crate::claims::StorageRef;
@@ -10,25 +13,37 @@ impl SharedVolumes for EtcdClaims {
     fn register(&self, spec: &VolumeSpec) -> Result<(), ClaimError> {
         let key = self.volume_key(&spec.id);
         let value = serde_json::to_vec(spec).expect("a volume spec always encodes");
+        let storage = StorageRef::of(spec);
+        let index = self.storage_key(&storage);
         for _ in 0..=CONFLICT_ATTEMPTS {
             let now = self.client.get(&key).map_err(unavailable)?;
-            let compares = match &now {
-                None => vec![Compare::create_revision(
-                    key.as_bytes(),
-                    CompareOp::Equal,
-                    0,
-                )],
-                Some(kv) if kv.value == value => return Ok(()),
-                Some(kv) => vec![
-                    Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision),
-                    Compare::prefix_empty(self.volume_prefix(&spec.id)),
-                ],
-            };
+            let old = now.as_ref().map(parse_spec).transpose()?;
+            if now.as_ref().is_some_and(|kv| kv.value == value) {
+                return Ok(());
+            }
+            self.name_storage(&storage, &spec.id)?;
+            // Nothing claims the volume (a new registration too: a claim
+            // whose registration went by hand keeps its storage), and the
+            // index still names it.
+            let mut compares = vec![
+                Compare::prefix_empty(self.volume_prefix(&spec.id)),
+                Compare::value(index.as_bytes(), CompareOp::Equal, spec.id.as_bytes()),
+            ];
+            compares.push(match &now {
+                None => Compare::create_revision(key.as_bytes(), CompareOp::Equal, 0),
+                Some(kv) => {
+                    Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision)
+                }
+            });
             let t = self
                 .client
                 .txn(&compares, &[TxnOp::put(key.as_bytes(), value.clone())], &[])
                 .map_err(unavailable)?;
             if t.succeeded {
+                // The storage it named before is free for another name.
+                if let Some(old) = old.filter(|o| StorageRef::of(o).volume() != storage.volume()) {
+                    self.unname_storage(&StorageRef::of(&old), &spec.id);
+                }
                 return Ok(());
             }
             let claimed = !self
@@ -37,7 +52,7 @@ impl SharedVolumes for EtcdClaims {
                 .map_err(unavailable)?
                 .kvs
                 .is_empty();
-            if claimed && now.is_some() {
+            if claimed {
                 return Err(ClaimError::Impossible {
                     volume_id: spec.id.clone(),
                     reason: "it is claimed: its registration changes only while nothing claims it (release it first)".to_string(),
@@ -50,18 +65,27 @@ impl SharedVolumes for EtcdClaims {
         ))
     }
 
+    /// Written only while the registration still names `expanded`'s
+    /// storage (registered again meanwhile: the capacity is not its).
     fn set_capacity(
         &self,
-        volume_id: &str,
+        expanded: &VolumeSpec,
         capacity: i64,
         pending: bool,
     ) -> Result<(), ClaimError> {
+        let volume_id = &expanded.id;
         let key = self.volume_key(volume_id);
         for _ in 0..=CONFLICT_ATTEMPTS {
             let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
                 return Ok(());
             };
             let mut spec = parse_spec(&kv)?;
+            if StorageRef::of(&spec) != StorageRef::of(expanded) {
+                log::info!(
+                    "volume {volume_id}: registered again for other storage since its expansion: its capacity is not written"
+                );
+                return Ok(());
+            }
             spec.capacity_bytes = capacity;
             spec.node_expansion_pending = pending;
             let value = serde_json::to_vec(&spec).expect("a volume spec always encodes");
@@ -86,6 +110,10 @@ impl SharedVolumes for EtcdClaims {
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
         let key = self.volume_key(volume_id);
         let unclaimed = Compare::prefix_empty(self.volume_prefix(volume_id));
+        let before = match self.client.get(&key).map_err(unavailable)? {
+            Some(kv) => parse_spec(&kv).ok(),
+            None => None,
+        };
         let t = self
             .client
             .txn(&[unclaimed], &[TxnOp::delete(key.as_bytes())], &[])
@@ -95,6 +123,11 @@ impl SharedVolumes for EtcdClaims {
                 volume_id: volume_id.to_string(),
                 reason: "it is claimed (a claim was taken while it was being deregistered): release it first".to_string(),
             });
+        }
+        // The storage it named is free for another name (an index left
+        // naming a volume that is gone counts as free anyway).
+        if let Some(spec) = before {
+            self.unname_storage(&StorageRef::of(&spec), volume_id);
         }
         Ok(t.responses
             .first()
@@ -133,6 +166,85 @@ pub(crate) fn parse_spec(kv: &KeyValue) -> Result<VolumeSpec, ClaimError> {
 }
 
 impl EtcdClaims {
+    /// `<prefix>/storage/<plugin>/<hex of the external ID>`: the name the
+    /// storage volume is registered under.
+    fn storage_key(&self, storage: &StorageRef) -> String {
+        let hex: String = storage
+            .external_id
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("{}/storage/{}/{hex}", self.prefix, storage.plugin_id)
+    }
+
+    /// Makes the storage index name `name`: written when absent, or when
+    /// the name it holds has no registration of that storage any more (an
+    /// index left behind, or a registration older than the index);
+    /// `Impossible` when another registration names the storage.
+    pub(super) fn name_storage(&self, storage: &StorageRef, name: &str) -> Result<(), ClaimError> {
+        let index = self.storage_key(storage);
+        for _ in 0..=CONFLICT_ATTEMPTS {
+            let compare = match self.client.get(&index).map_err(unavailable)? {
+                Some(kv) if kv.value == name.as_bytes() => return Ok(()),
+                Some(kv) => {
+                    let other = String::from_utf8_lossy(&kv.value).into_owned();
+                    let holds = match self
+                        .client
+                        .get(self.volume_key(&other))
+                        .map_err(unavailable)?
+                    {
+                        Some(r) => parse_spec(&r)
+                            .is_ok_and(|o| StorageRef::of(&o).volume() == storage.volume()),
+                        None => false,
+                    };
+                    if holds {
+                        return Err(ClaimError::Impossible {
+                            volume_id: name.to_string(),
+                            reason: format!(
+                                "its storage (volume {} of plugin {}) is registered as volume {other}: one storage volume has one name in the cluster",
+                                storage.external_id, storage.plugin_id
+                            ),
+                        });
+                    }
+                    Compare::mod_revision(index.as_bytes(), CompareOp::Equal, kv.mod_revision)
+                }
+                None => Compare::create_revision(index.as_bytes(), CompareOp::Equal, 0),
+            };
+            let t = self
+                .client
+                .txn(
+                    &[compare],
+                    &[TxnOp::put(index.as_bytes(), name.as_bytes())],
+                    &[],
+                )
+                .map_err(unavailable)?;
+            if t.succeeded {
+                return Ok(());
+            }
+        }
+        Err(conflict(name, "the index of its storage kept changing"))
+    }
+
+    /// Drops the storage index while it names `name` (best effort: an
+    /// index left behind is taken over by the next name).
+    fn unname_storage(&self, storage: &StorageRef, name: &str) {
+        let index = self.storage_key(storage);
+        let ours = Compare::value(index.as_bytes(), CompareOp::Equal, name.as_bytes());
+        if let Err(e) = self
+            .client
+            .txn(&[ours], &[TxnOp::delete(index.as_bytes())], &[])
+        {
+            log::info!("cluster: the storage index {index} of {name} stays: {e}");
+        }
+    }
+
+    /// The compare a take of `volume_id` makes on its storage's index.
+    pub(super) fn storage_named(&self, storage: &StorageRef, volume_id: &str) -> (String, Compare) {
+        let index = self.storage_key(storage);
+        let c = Compare::value(index.as_bytes(), CompareOp::Equal, volume_id.as_bytes());
+        (index, c)
+    }
+
     /// Remembers a registration as read (its revision and storage), and
     /// answers it; an absent one is forgotten.
     pub(super) fn registration_seen(
