@@ -37,6 +37,8 @@
 //!                    seed chooses)
 //!   NEMESIS_HOSTS    `0`, `1` or `2`: force the number of controller
 //!                    hosts (else the seed chooses)
+//!   NEMESIS_EPOCHS   `on`/`off`: force the claim's epoch to the plugins
+//!                    (else the seed chooses, half)
 //!   NEMESIS_FREE_UNFENCED  `on`/`off`: force `free_unfenced_claims` in a
 //!                    run with the window (else the seed chooses, half)
 //!   NEMESIS_OUT      keep the run's records here (default: a directory
@@ -389,11 +391,21 @@ fn nemesis() {
             Some("off") => false,
             _ => choose.chance(50),
         };
+    // Drawn after that: half of the runs give the plugins the claim's
+    // epoch (`cluster.epoch_plugins`, the test plugin's `--epoch-key`);
+    // only those draw a pause between a call's lease check and its send,
+    // which README Safety rule 11 covers only with epochs.
+    let epochs = match env_u64("NEMESIS_EPOCHS").as_deref() {
+        Some("on") => true,
+        Some("off") => false,
+        _ => choose.chance(50),
+    };
     let settings = NodeSettings {
         lease_ttl: LEASE_TTL,
         stop_after_disconnect: disconnect.then_some(STOP_AFTER_DISCONNECT),
         controller_hosts: hosts.clone(),
         free_unfenced,
+        epochs,
     };
     let mut kinds = vec![
         Kind::AgentKill,
@@ -420,18 +432,20 @@ fn nemesis() {
     };
     let plan = Plan {
         kinds,
+        epochs,
         lease_ttl_ms: 2000,
         window_ms: 4000,
         reap_ms: reap.as_millis() as u64,
     };
     eprintln!(
-        "nemesis: {seconds} s; lease_ttl 2s; stop_after_disconnect {}{}; controller hosts {}",
+        "nemesis: {seconds} s; lease_ttl 2s; stop_after_disconnect {}{}; epochs {}; controller hosts {}",
         if disconnect { "4s" } else { "off" },
         if free_unfenced {
             " with free_unfenced_claims"
         } else {
             ""
         },
+        if epochs { "on" } else { "off" },
         if hosts.is_empty() {
             "none (node-only plugins)".to_string()
         } else {
@@ -490,6 +504,7 @@ fn nemesis() {
         events: Mutex::new(Vec::new()),
         allocs: Mutex::new(Vec::new()),
         writers_paused: NODES.iter().map(|_| AtomicBool::new(false)).collect(),
+        node_losses: NODES.iter().map(|_| std::sync::RwLock::new(0)).collect(),
         writers_stop: AtomicBool::new(false),
         stop_clients: AtomicBool::new(false),
         records_written: AtomicU64::new(0),
@@ -677,12 +692,44 @@ fn nemesis() {
         .filter(|a| !a.rw)
         .map(|a| a.id.as_str())
         .collect();
+    // Nodes lost and freed by hand (`faults::Kind::NodeLost`): when (wall
+    // ms) their mounts went, and the allocations they held then.
+    let losses: Vec<(String, u64, u64)> = shared
+        .events
+        .lock()
+        .expect("events lock")
+        .iter()
+        .filter(|e| {
+            e["kind"] == "fault" && e["fault"] == "node-lost-freed-by-hand" && e["freed_ok"] == true
+        })
+        .filter_map(|e| {
+            Some((
+                e["node"].as_str()?.to_string(),
+                e["down_wall_ms"].as_u64()?,
+                e["up_t_ms"].as_u64().unwrap_or(u64::MAX),
+            ))
+        })
+        .collect();
+    let lost: BTreeSet<String> = allocs
+        .iter()
+        .filter(|a| {
+            losses
+                .iter()
+                .any(|(n, _, up)| *n == a.node && a.acked_at_ms < *up)
+        })
+        .map(|a| a.id.clone())
+        .collect();
     let mut intervals: Vec<Interval> = seen.iter().map(Interval::from).collect();
     let mut fences = Vec::new();
     let mut unpublished = BTreeSet::new();
     for n in &nodes {
         let calls = n.plugin.call_log().calls();
-        intervals.extend(checker::call_log_intervals(&n.name, &calls));
+        let downs: Vec<u64> = losses
+            .iter()
+            .filter(|(node, ..)| *node == n.name)
+            .map(|(_, down, _)| *down)
+            .collect();
+        intervals.extend(checker::call_log_intervals(&n.name, &calls, &downs));
         for c in &calls {
             if c["code"] != "OK" {
                 continue;
@@ -732,6 +779,7 @@ fn nemesis() {
                 &allocs,
                 &end,
                 &unpublished,
+                &lost,
                 &mut released_by_agent,
             ));
         }

@@ -176,10 +176,30 @@ pub fn target_of(path: &str) -> Option<(String, String)> {
 }
 
 /// NodePublish OK .. NodeUnpublish OK per target, from one node's calls.
-pub fn call_log_intervals(node: &str, calls: &[Value]) -> Vec<Interval> {
+/// `downs`: wall ms at which the node was lost (its mounts went with it):
+/// every interval still open then ends there.
+pub fn call_log_intervals(node: &str, calls: &[Value], downs: &[u64]) -> Vec<Interval> {
     let mut open: HashMap<String, u64> = HashMap::new();
     let mut out = Vec::new();
+    let mut downs = downs.to_vec();
+    downs.sort_unstable();
+    let mut next_down = downs.into_iter().peekable();
     for c in calls {
+        let at = c["ts_ms"].as_u64().unwrap_or(0);
+        while let Some(down) = next_down.next_if(|d| *d <= at) {
+            for (target, from) in open.drain() {
+                if let Some((alloc, volume)) = target_of(&target) {
+                    out.push(Interval {
+                        node: node.to_string(),
+                        alloc,
+                        volume,
+                        from_ms: from,
+                        to_ms: down,
+                        source: "call log",
+                    });
+                }
+            }
+        }
         if c["code"] != "OK" {
             continue;
         }
@@ -209,6 +229,8 @@ pub fn call_log_intervals(node: &str, calls: &[Value]) -> Vec<Interval> {
             _ => {}
         }
     }
+    // Still open after the last call: to the next loss, else to the end.
+    let end = next_down.next().unwrap_or(u64::MAX);
     for (target, from) in open {
         if let Some((alloc, volume)) = target_of(&target) {
             out.push(Interval {
@@ -216,7 +238,7 @@ pub fn call_log_intervals(node: &str, calls: &[Value]) -> Vec<Interval> {
                 alloc,
                 volume,
                 from_ms: from,
-                to_ms: u64::MAX,
+                to_ms: end,
                 source: "call log",
             });
         }
@@ -411,10 +433,14 @@ pub fn check_end_state(end: &EndState) -> Vec<Violation> {
 
 /// Check (4). `unpublished`: (node, alloc, volume) that a NodeUnpublish
 /// answered OK for.
+/// `lost`: allocations held on a node when it was lost and freed by hand
+/// (`faults::Kind::NodeLost`): each must end with nothing left, whatever
+/// its workload asked.
 pub fn check_allocs(
     allocs: &[Alloc],
     end: &EndState,
     unpublished: &BTreeSet<(String, String, String)>,
+    lost: &BTreeSet<String>,
     released_by_agent: &mut usize,
 ) -> Vec<Violation> {
     let mut out = Vec::new();
@@ -437,6 +463,21 @@ pub fn check_allocs(
             l.join(", ")
         };
         let nothing = record.is_none() && !target && claim.is_none();
+        if a.acked && lost.contains(&a.id) {
+            if !nothing {
+                out.push(v(
+                    4,
+                    format!(
+                        "{} on node {} ({}) was held when its node was lost and freed by hand, but has {} left",
+                        a.id,
+                        a.node,
+                        a.volume,
+                        left()
+                    ),
+                ));
+            }
+            continue;
+        }
         match (&a.release, a.acked) {
             (Release::NotAsked, true) => {
                 let held = record.is_some_and(|p| p == "published")

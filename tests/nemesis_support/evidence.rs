@@ -97,7 +97,9 @@ pub struct Reader {
 }
 
 impl Reader {
-    pub fn start(shared: &Arc<Shared>, a: &Alloc, period: Duration) -> Reader {
+    /// `losses`: the node's loss count before the mount was asked (see
+    /// `Writer::start`).
+    pub fn start(shared: &Arc<Shared>, a: &Alloc, period: Duration, losses: u64) -> Reader {
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sh) = (stop.clone(), shared.clone());
         let path = a
@@ -106,12 +108,18 @@ impl Reader {
             .expect("an acknowledged mount has a path")
             .join(RECORDS_FILE);
         let a = a.clone();
+        let ni = shared.node_index(&a.node);
         let handle = thread::Builder::new()
             .name(format!("reader-{}", a.id))
             .spawn(move || {
                 let mut reads = Vec::new();
                 while !st.load(Ordering::SeqCst) && !sh.writers_stop.load(Ordering::SeqCst) {
+                    let gate = sh.node_losses[ni].read().expect("node_losses lock");
+                    if *gate != losses {
+                        break;
+                    }
                     reads.push(read_once(&a, &path));
+                    drop(gate);
                     thread::sleep(period);
                 }
                 let ok = reads.iter().filter(|r| r.ok).count();

@@ -48,7 +48,7 @@ const NEWER_KINDS: [Kind; 3] = [Kind::LinkFlap, Kind::LivenessDeleted, Kind::Lon
 /// added with issue 37's second part (`LATEST_KINDS`), from a fourth
 /// stream (seeds keep their earlier rounds).
 const LATEST_PERCENT: u64 = 30;
-const LATEST_KINDS: [Kind; 2] = [Kind::StepCrash, Kind::StepPause];
+const LATEST_KINDS: [Kind; 3] = [Kind::StepCrash, Kind::StepPause, Kind::NodeLost];
 /// Failpoints between two writes of a multi-step change (etcd then the
 /// local record, the intent then the calls, a call then its record, the
 /// release's mark, the free, the closing write): a `StepCrash` kills the
@@ -75,6 +75,9 @@ const PAUSE_POINTS: [&str; 3] = [
     "before-node-stage",
     "before-node-publish",
 ];
+/// How long a `StepPause` waits for its thread to be held before it cuts
+/// the link anyway (mounts on the node come every few seconds).
+const PAUSE_WAIT_MS: u64 = 20_000;
 /// The variable the agents' failpoints are chosen by.
 const FAILPOINT_ENV: &str = "CLAIMD_FAILPOINT";
 /// How often the executor looks at due steps and restarting agents.
@@ -106,6 +109,12 @@ pub enum Kind {
     /// The agent restarted to hold one call up between its lease check
     /// and its send (up to TTL + W), while its link is cut.
     StepPause,
+    /// The node lost for good, as an operator sees it: its agent killed,
+    /// its workload gone (writers and readers stop for good) and its
+    /// mounts with it; once its liveness key is gone an operator frees its
+    /// claims (`claim free`, or `volume detach --node` where it holds an
+    /// attachment) through another node; then it comes back.
+    NodeLost,
 }
 
 impl Kind {
@@ -125,6 +134,7 @@ impl Kind {
             Kind::LongCut => "long-link-cut",
             Kind::StepCrash => "crash-between-writes",
             Kind::StepPause => "pause-after-lease-check",
+            Kind::NodeLost => "node-lost-freed-by-hand",
         }
     }
 
@@ -137,6 +147,9 @@ impl Kind {
 /// What the schedule is made of.
 pub struct Plan {
     pub kinds: Vec<Kind>,
+    /// The plugins get the claim's epoch: only then is a `StepPause`
+    /// drawn (else it is a `StepCrash`).
+    pub epochs: bool,
     pub lease_ttl_ms: u64,
     /// stop_after_disconnect, or the window a fault is sized for without it.
     pub window_ms: u64,
@@ -187,6 +200,17 @@ enum Action {
     /// Drops the failpoint from the agent's next starts; restarts it now
     /// when it died of it, or (true) when it may still.
     Disarm(usize, bool),
+    /// Waits (up to the first ms) for the agent to say its thread is held
+    /// at the failpoint, then cuts its link for the second ms (a cut
+    /// anyway when it was not held in time).
+    CutWhenHeld(usize, &'static str, u64, u64),
+    /// The node lost: loss count moved, agent killed, mounts gone.
+    NodeDown(usize),
+    /// Waits (up to the ms) for the node's liveness key to be gone, then
+    /// frees its claims by hand through another node.
+    OperatorFree(usize, u64),
+    /// The lost node back: its agent started.
+    NodeUp(usize),
 }
 
 impl Action {
@@ -211,6 +235,10 @@ impl Action {
             Action::DeleteLiveness(_) => "delete-liveness-key",
             Action::Arm(..) => "restart-with-failpoint",
             Action::Disarm(..) => "drop-failpoint",
+            Action::CutWhenHeld(..) => "cut-when-held",
+            Action::NodeDown(_) => "node-down",
+            Action::OperatorFree(..) => "operator-free",
+            Action::NodeUp(_) => "node-up",
         }
     }
 }
@@ -294,10 +322,16 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
     let (ttl, w) = (plan.lease_ttl_ms, plan.window_ms);
     let pick = |lo: u64, hi: u64, r: u64| lo + r % (hi - lo + 1);
     let node = nodes[d.node].name.clone();
-    let mut name = d.kind.name().to_string();
     let mut ev = json!({"kind": "fault", "start_ms": start_ms});
     let mut target = Some(d.node);
-    let steps = match d.kind {
+    // A pause between a call's lease check and its send is covered only
+    // with epochs (README Safety rule 11): without, a crash instead.
+    let kind = match d.kind {
+        Kind::StepPause if !plan.epochs => Kind::StepCrash,
+        k => k,
+    };
+    let mut name = kind.name().to_string();
+    let steps = match kind {
         Kind::AgentKill => {
             let down = pick(0, ttl + w + 3000, d.d1);
             ev["node"] = json!(node);
@@ -429,20 +463,31 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
         Kind::StepPause => {
             let point =
                 PAUSE_POINTS[usize::try_from(d.d1 % PAUSE_POINTS.len() as u64).expect("fits")];
-            let pause = pick(ttl, plan.reap_ms + 3000, d.d1 >> 8);
-            let spec = format!("{point}:pause={pause}:{}", 1 + d.d2 % 3);
-            let cut_at = pick(0, 3000, d.d2 >> 8);
+            // The link is cut once the thread is held (a call up checked,
+            // not sent), long enough for the other nodes to act on the
+            // node's claims; the call goes out before or after the heal.
             let cut = pick(ttl + 500, plan.reap_ms + 5000, d.d1 ^ d.d2);
+            let pause = pick(ttl, cut + 3000, d.d1 >> 8);
+            let spec = format!("{point}:pause={pause}:{}", 1 + d.d2 % 2);
             ev["node"] = json!(node);
             ev["failpoint"] = json!(spec);
-            ev["cut_at_ms"] = json!(cut_at);
             ev["cut_ms"] = json!(cut);
-            // Held until a pause that began before the heal has ended.
             vec![
                 (0, Action::Arm(d.node, spec)),
-                (cut_at, Action::CutLink(d.node, Cut::Both)),
-                (cut_at + cut, Action::HealLink(d.node)),
-                (cut_at + cut + pause, Action::Disarm(d.node, false)),
+                (1, Action::CutWhenHeld(d.node, point, PAUSE_WAIT_MS, cut)),
+                (2, Action::Disarm(d.node, false)),
+            ]
+        }
+        Kind::NodeLost => {
+            let back = pick(300, 3000, d.d1);
+            ev["node"] = json!(node);
+            ev["back_after_ms"] = json!(back);
+            // The free waits for the key, then takes its time: the node
+            // comes back after it (the steps run in order).
+            vec![
+                (0, Action::NodeDown(d.node)),
+                (1, Action::OperatorFree(d.node, ttl * 3 + 30_000)),
+                (2 + back, Action::NodeUp(d.node)),
             ]
         }
         Kind::PluginRestart => {
@@ -657,6 +702,7 @@ fn run_alone(
         execute(shared, nodes, etcd, &mut one);
         for mut f in one {
             f.ev["end_ms"] = json!(shared.since_ms());
+            eprintln!("nemesis: fault {}", f.ev);
             shared.event(std::mem::take(&mut f.ev));
         }
     }
@@ -826,6 +872,10 @@ fn step(
         Action::ClearSlow(h) => nodes[h].plugin.faults().clear(),
         Action::Arm(ni, spec) => {
             let n = &mut nodes[ni];
+            if let Some(point) = spec.split(':').next() {
+                let said = format!("failpoint {point}: paused for");
+                f.ev["held_seen_before"] = json!(n.agent.log().matches(&said).count());
+            }
             n.agent.kill();
             n.agent.envs.retain(|(k, _)| k != FAILPOINT_ENV);
             n.agent.envs.push((FAILPOINT_ENV.to_string(), spec.clone()));
@@ -834,6 +884,9 @@ fn step(
             starting.push((fi, ni, Instant::now()));
         }
         Action::Disarm(ni, restart) => {
+            // A pause that never held the thread would hold it later,
+            // outside this fault: restarted without it.
+            let restart = restart || f.ev["held"] == false;
             let n = &mut nodes[ni];
             let died = n.agent_exited();
             f.ev["died_at_failpoint"] = json!(died);
@@ -845,6 +898,43 @@ fn step(
                 starting.push((fi, ni, Instant::now()));
             }
         }
+        Action::CutWhenHeld(ni, point, wait_ms, cut_ms) => {
+            let said = format!("failpoint {point}: paused for");
+            let before = f.ev["held_seen_before"].as_u64().unwrap_or(0) as usize;
+            let until = Instant::now() + Duration::from_millis(wait_ms);
+            let held = loop {
+                if nodes[ni].agent.log().matches(&said).count() > before {
+                    break true;
+                }
+                if Instant::now() > until {
+                    break false;
+                }
+                thread::sleep(Duration::from_millis(50));
+            };
+            f.ev["held"] = json!(held);
+            f.ev["cut_t_ms"] = json!(shared.since_ms());
+            nodes[ni].link.cut(Cut::Both);
+            hold(cut_ms);
+            nodes[ni].link.heal();
+        }
+        Action::NodeDown(ni) => {
+            *shared.node_losses[ni].write().expect("node_losses lock") += 1;
+            let n = &mut nodes[ni];
+            n.agent.kill_now();
+            // The plugin goes with the node (no call of it lands after
+            // the sweep).
+            n.plugin.kill();
+            f.ev["down_t_ms"] = json!(shared.since_ms());
+            f.ev["down_wall_ms"] = json!(super::workload::wall_ms());
+            f.ev["unmounted"] = json!(unmount_under(&n.mount_root()));
+        }
+        Action::OperatorFree(ni, wait_ms) => operator_free(nodes, etcd, f, ni, wait_ms),
+        Action::NodeUp(ni) => {
+            f.ev["up_t_ms"] = json!(shared.since_ms());
+            nodes[ni].plugin.restart();
+            nodes[ni].agent.spawn();
+            starting.push((fi, ni, Instant::now()));
+        }
         Action::DeleteLiveness(ni) => {
             let key = format!("{}/nodes/{}", super::nodes::PREFIX, nodes[ni].name);
             match etcd.client().delete_range(key.as_bytes(), b"") {
@@ -853,4 +943,129 @@ fn step(
             }
         }
     }
+}
+
+/// Unmounts (lazily, deepest first) every mount under `root`, as the
+/// node's power loss would: how many.
+fn unmount_under(root: &std::path::Path) -> usize {
+    let root = root.to_string_lossy().into_owned();
+    let mut count = 0;
+    // Stacked mounts show again once the top one is gone.
+    for _ in 0..4 {
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<String> = table
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(unescape_mount_point)
+            .filter(|p| p.starts_with(&root))
+            .collect();
+        if points.is_empty() {
+            break;
+        }
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let Ok(c) = std::ffi::CString::new(p) else {
+                continue;
+            };
+            // SAFETY: a valid NUL-terminated path.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+                count += 1;
+            }
+        }
+    }
+    count
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) undone.
+fn unescape_mount_point(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
+            let n = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(n);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The operator's hand on a lost node: once its liveness key is gone
+/// (waited for up to `wait_ms`), every claim it holds is freed through
+/// another node's agent: `volume detach --node` for a volume it holds an
+/// attachment of, else `claim free`. What each answered goes into the
+/// fault's event.
+fn operator_free(nodes: &[Node], etcd: &EtcdCluster, f: &mut Fault, ni: usize, wait_ms: u64) {
+    let name = nodes[ni].name.clone();
+    let prefix = super::nodes::PREFIX;
+    let client = etcd.client();
+    let key = format!("{prefix}/nodes/{name}");
+    let until = Instant::now() + Duration::from_millis(wait_ms);
+    loop {
+        if matches!(client.get(&key), Ok(None)) {
+            break;
+        }
+        if Instant::now() > until {
+            f.ev["error"] = json!(format!("{key} still there after {wait_ms} ms"));
+            return;
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    let Some(via) = nodes
+        .iter()
+        .position(|n| n.name != name && n.pid().is_some() && !n.agent_exited())
+    else {
+        f.ev["error"] = json!("no other agent runs");
+        return;
+    };
+    let held: Vec<(String, String)> = match client.range_prefix(format!("{prefix}/claims/")) {
+        Ok(r) => r
+            .kvs
+            .iter()
+            .filter(|kv| {
+                serde_json::from_slice::<Value>(&kv.value)
+                    .is_ok_and(|v| v["claim"]["node"] == name.as_str())
+            })
+            .filter_map(|kv| {
+                let k = kv.key_str().into_owned();
+                let mut parts = k.rsplit('/');
+                let alloc = parts.next()?.to_string();
+                let volume = parts.next()?.to_string();
+                Some((volume, alloc))
+            })
+            .collect(),
+        Err(e) => {
+            f.ev["error"] = json!(format!("read the claims: {e}"));
+            return;
+        }
+    };
+    let socket = nodes[via].socket();
+    let reason = "nemesis: node lost";
+    let mut done = Vec::new();
+    let mut detached = std::collections::BTreeSet::new();
+    for (volume, alloc) in held {
+        let attached = client
+            .get(format!("{prefix}/attachments/{volume}/{name}"))
+            .is_ok_and(|kv| kv.is_some());
+        let out = if attached {
+            if !detached.insert(volume.clone()) {
+                continue;
+            }
+            let args = [
+                "volume", "detach", &volume, "--node", &name, "--reason", reason,
+            ];
+            super::nodes::cli(socket, &args, super::nodes::CLI_DEADLINE)
+        } else {
+            let args = ["claim", "free", &volume, &alloc, "--reason", reason];
+            super::nodes::cli(socket, &args, super::nodes::CLI_DEADLINE)
+        };
+        done.push(json!({"volume": volume, "alloc": alloc, "detach": attached,
+            "via": nodes[via].name, "outcome": out.brief(), "code": out.code}));
+    }
+    f.ev["freed_ok"] = json!(done.iter().all(|d| d["code"] == 0));
+    f.ev["freed"] = json!(done);
 }

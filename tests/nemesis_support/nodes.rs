@@ -40,6 +40,9 @@ pub struct NodeSettings {
     pub controller_hosts: Vec<String>,
     /// `cluster.free_unfenced_claims` (with the window only).
     pub free_unfenced: bool,
+    /// `cluster.epoch_plugins` and the plugins' `--epoch-key` (their
+    /// newest epoch per volume kept in the shared storage).
+    pub epochs: bool,
 }
 
 pub struct Node {
@@ -77,6 +80,15 @@ impl Node {
             fs::create_dir_all(&root).expect("create the plugin root");
             std::os::unix::fs::symlink(shared_volumes, root.join("volumes"))
                 .expect("link the shared volumes");
+            let epochs = shared_volumes
+                .parent()
+                .expect("storage/volumes")
+                .join("epochs");
+            fs::create_dir_all(&epochs).expect("create the shared epochs");
+            std::os::unix::fs::symlink(&epochs, root.join("epochs")).expect("link the epochs");
+        }
+        if settings.epochs {
+            builder = builder.args(&["--epoch-key", claimd::volumes::requests::EPOCH_CONTEXT_KEY]);
         }
         let plugin = if is_host {
             let others: Vec<String> = all.iter().filter(|n| **n != name).map(|n| ext(n)).collect();
@@ -102,6 +114,9 @@ impl Node {
         }
         if !settings.controller_hosts.is_empty() {
             cluster["fencing_plugins"] = json!([PLUGIN_ID]);
+        }
+        if settings.epochs {
+            cluster["epoch_plugins"] = json!([PLUGIN_ID]);
         }
         let agent = Agent::prepare(&ndir, "agent", config, false, &[]);
         Node {

@@ -90,6 +90,11 @@ pub struct Shared {
     pub allocs: Mutex<Vec<Alloc>>,
     /// Per node: its writers hold still (an agent paused with its workload).
     pub writers_paused: Vec<AtomicBool>,
+    /// Per node: how many times it was lost (`faults::Kind::NodeLost`),
+    /// behind a lock each holding's writer or reader holds across one
+    /// write or read: a holding mounted before a loss never writes or
+    /// reads again, and none is in the middle of one once the count moved.
+    pub node_losses: Vec<std::sync::RwLock<u64>>,
     pub writers_stop: AtomicBool,
     pub stop_clients: AtomicBool,
     pub records_written: AtomicU64,
@@ -122,7 +127,13 @@ impl Shared {
         self.events.lock().expect("events lock").push(e);
     }
 
-    fn node_index(&self, node: &str) -> usize {
+    /// The node's loss count now (read before a mount is asked: its
+    /// holding's writer or reader stops once the count moves).
+    pub fn losses(&self, ni: usize) -> u64 {
+        *self.node_losses[ni].read().expect("node_losses lock")
+    }
+
+    pub fn node_index(&self, node: &str) -> usize {
         self.node_names
             .iter()
             .position(|n| n == node)
@@ -156,7 +167,8 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn start(shared: &Arc<Shared>, a: &Alloc, period: Duration) -> Writer {
+    /// `losses`: the node's loss count before the mount was asked.
+    pub fn start(shared: &Arc<Shared>, a: &Alloc, period: Duration, losses: u64) -> Writer {
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sh) = (stop.clone(), shared.clone());
         let path = a
@@ -175,8 +187,15 @@ impl Writer {
                         thread::sleep(Duration::from_millis(5));
                         continue;
                     }
+                    let gate = sh.node_losses[ni].read().expect("node_losses lock");
+                    if *gate != losses {
+                        // Its node was lost: this holding is gone with it.
+                        break;
+                    }
                     let line = format!("{node} {alloc} {epoch} {seq} {}\n", monotonic_ns());
-                    match append(&path, &line) {
+                    let written = append(&path, &line);
+                    drop(gate);
+                    match written {
                         Ok(()) => {
                             seq += 1;
                             sh.records_written.fetch_add(1, Ordering::Relaxed);
@@ -301,6 +320,7 @@ pub fn client(
                 format!("data={},ro", vol.id)
             };
             let start = shared.since_ms();
+            let losses = shared.losses(ni);
             let out = cli(
                 &shared.sockets[ni],
                 &[
@@ -342,9 +362,9 @@ pub fn client(
             if acked {
                 let period = Duration::from_millis(period);
                 let h = if rw {
-                    Holder::Writer(Writer::start(shared, &a, period))
+                    Holder::Writer(Writer::start(shared, &a, period, losses))
                 } else {
-                    Holder::Reader(super::evidence::Reader::start(shared, &a, period))
+                    Holder::Reader(super::evidence::Reader::start(shared, &a, period, losses))
                 };
                 mine.push((idx, h));
             } else {
