@@ -331,7 +331,7 @@ fn anchors(text: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     let mut in_code = false;
     for line in text.lines() {
-        if line.starts_with("```") {
+        if line.trim_start().starts_with("```") {
             in_code = !in_code;
         }
         if !in_code && line.starts_with('#') {
