@@ -5,8 +5,9 @@
 # binary runs in an empty chroot. Prints the path on the last line.
 #
 # TLS to etcd (gRPC's secure core and the system OpenSSL, libssl-dev,
-# linked in statically) is on by default, as packaged: about 17.7 MB.
-# CLAIMD_NO_TLS=1 builds without it (about 9.1 MB; plain-TCP etcd only).
+# linked in statically) is on by default, as packaged. CLAIMD_NO_TLS=1
+# builds without it (plain-TCP etcd only). Sizes and build times:
+# packaging/doc/performance.md.
 # CLAIMD_FEATURES: more cargo features to build with.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -119,8 +119,12 @@ say "building claimd_${version} and claimd_${newer}"
 deb=$(CLAIMD_BIN="$bin" packaging/build-deb.sh | tail -1)
 deb2=$(CLAIMD_BIN="$bin" VERSION="$newer" packaging/build-deb.sh | tail -1)
 contents=$(dpkg-deb -c "$deb" | awk '{print $6}' | grep -v '/$' | sort | tr '\n' ' ')
-expected="./etc/claimd/config.json ./lib/systemd/system/claimd.service ./usr/bin/claimd ./usr/share/doc/claimd/changelog.gz ./usr/share/doc/claimd/copyright ./usr/share/lintian/overrides/claimd ./usr/share/man/man8/claimd.8.gz "
-[ "$contents" = "$expected" ] || fail "package contents: $contents"
+docs=$(cd packaging && { ls doc/*.md | sed 's|^doc/||'; echo CHANGELOG.md; ls examples/*.json; } |
+  sed 's|^|./usr/share/doc/claimd/|' | sort | tr '\n' ' ')
+expected=$(printf '%s\n' ./etc/claimd/config.json ./lib/systemd/system/claimd.service ./usr/bin/claimd \
+  ./usr/share/doc/claimd/changelog.gz ./usr/share/doc/claimd/copyright ./usr/share/lintian/overrides/claimd \
+  ./usr/share/man/man8/claimd.8.gz $docs | sort | tr '\n' ' ')
+[ "$contents" = "$expected" ] || fail "package contents: $contents (expected $expected)"
 [ "$(dpkg-deb -f "$deb" Package Version Architecture | tr '\n' ' ')" = "Package: claimd Version: $version Architecture: amd64 " ] ||
   fail "control fields: $(dpkg-deb -f "$deb" Package Version Architecture)"
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx /etc/claimd/config.json || fail "config is not a conffile"
@@ -128,6 +132,11 @@ say "package contents: $contents"
 lint=$(lintian "$deb" 2>&1 | grep -v 'running with root privileges' || true)
 if printf '%s\n' "$lint" | grep -q '^[EW]:'; then fail "lintian: $lint"; fi
 say "lintian: clean (errors and warnings; overrides in packaging/debian/lintian-overrides)"
+# The man page renders without a warning from groff.
+man_warnings=$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/share/man/man8/claimd.8.gz | gzip -dc |
+  LC_ALL=C.UTF-8 MANWIDTH=80 man --warnings -l - 2>&1 >/dev/null || true)
+[ -z "$man_warnings" ] || fail "man -l of claimd.8: $man_warnings"
+say "man page: renders with no warning"
 
 # ---- 3. install into a throwaway root ---------------------------------------
 say "installing into a throwaway root"
@@ -147,6 +156,26 @@ if command -v systemd-analyze >/dev/null; then
   systemd-analyze verify --man=no "$work/claimd.service" || fail "systemd-analyze verify of the unit"
   say "systemd-analyze verify: the unit is valid"
 fi
+unit="$t/lib/systemd/system/claimd.service"
+# Documentation= names files the package installs.
+for d in $(sed -n 's/^Documentation=//p' "$unit"); do
+  case "$d" in
+  file://*) [ -f "$t${d#file://}" ] || fail "Documentation=$d is not installed" ;;
+  esac
+done
+# The packaged plugin_dir must survive `systemctl stop`: when it lies under
+# the unit's RuntimeDirectory, systemd deletes that directory at stop
+# unless RuntimeDirectoryPreserve=yes (restart alone keeps it only across
+# restarts).
+plugin_dir=$(jq -r '.plugin_dir // empty' "$t/etc/claimd/config.json")
+runtime_dir=/run/$(sed -n 's/^RuntimeDirectory=//p' "$unit")
+case "$plugin_dir/" in
+"$runtime_dir"/*)
+  grep -qx 'RuntimeDirectoryPreserve=yes' "$unit" ||
+    fail "plugin_dir $plugin_dir is under RuntimeDirectory $runtime_dir, which a stop deletes"
+  ;;
+esac
+say "unit: Documentation= installed; plugin_dir ${plugin_dir:-none} kept across a stop"
 
 # ---- 4. upgrade over a running agent ----------------------------------------
 say "upgrade over a running agent with mounted allocations"

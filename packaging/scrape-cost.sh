@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run as root on a built static release (packaging/bench.sh builds it):
 #   CARGO_TARGET_DIR=... N=1000 bash packaging/scrape-cost.sh
-# Used for the README figures of the metrics cost.
+# Used for the figures of the metrics cost in packaging/doc/performance.md.
 # Idle RSS and scrape cost with 1000 allocations, metrics_listen on and off.
 set -euo pipefail
 cd "$(dirname "$0")/.."

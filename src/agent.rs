@@ -259,7 +259,7 @@ impl Agent {
                 .filter(|p| !c.epoch_plugins.contains(p))
             {
                 log::warn!(
-                    "cluster: fencing plugin {p} is not in cluster.epoch_plugins: a call up that a paused node sends after the cluster fenced it reaches the plugin without the claim's epoch, and only the plugin's own fence can refuse it (README, Safety)"
+                    "cluster: fencing plugin {p} is not in cluster.epoch_plugins: a call up that a paused node sends after the cluster fenced it reaches the plugin without the claim's epoch, and only the plugin's own fence can refuse it (manual: safety.md)"
                 );
             }
         }

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use crate::etcd::endpoint::Scheme;
 
 pub mod docker;
+pub mod fields;
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
 pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
@@ -152,7 +153,7 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub api_socket: PathBuf,
     pub mount_root: PathBuf,
-    /// Where plugins drop their sockets (see README: plugin directory).
+    /// Where plugins drop their sockets (layout: `plugins::scan_plugin_dir`).
     pub plugin_dir: Option<PathBuf>,
     pub plugins: Vec<PluginConfig>,
     /// This node's name in claims.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: the README's test command. Run as root (the tests do
+# The whole test suite: the test command the README names. Run as root (the tests do
 # real mounts). Installs what a fresh Debian machine lacks, then checks
 # formatting and lints and runs every test (unit, integration, restart
 # scripts).

@@ -6,11 +6,10 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 
 use super::error::CliError;
 use crate::agent::{dev_dir, Agent};
-use crate::config::{self, format_duration, Config};
+use crate::config::{self, Config};
 use crate::shutdown::Shutdown;
 
 pub fn help() -> String {
-    let d = config::Timeouts::default();
     format!(
         "claimd agent: run the node agent.
 
@@ -29,59 +28,7 @@ OPTIONS:
                     released (best effort, bounded) and the directory removed.
     -h, --help      Print this help.
 
-CONFIG FIELDS (all optional) AND DEFAULTS:
-    state_dir               {state}
-    api_socket              {api}
-    mount_root              {mounts}
-    plugin_dir              none (layout: <dir>/<plugin-id>/csi.sock,
-                            node.sock or controller.sock)
-    plugins                 [] of {{\"id\", \"type\": node|controller|monolith,
-                            \"socket\": unix:///abs/path, unix:/abs/path
-                            or /abs/path}}
-    node_name               this host's name
-    csi_call_timeout        {call}
-    plugin_wait_timeout     {wait}
-    probe_interval          {probe}
-    claim_retry_deadline    {claim}
-    mount_retry_deadline    {mount} (retryable CSI errors of a mount;
-                            then it fails and is rolled back)
-    release_retry_deadline  {release}
-    metrics_listen          none (off); an IP:port such as 127.0.0.1:9432
-                            serves GET /metrics (Prometheus text) and
-                            GET /healthz; `claimd metrics` works without it
-    volume_stats_interval   {stats} (NodeGetVolumeStats per published
-                            volume, for plugins with GET_VOLUME_STATS)
-    cluster                 none (one node: claims in the agent's state).
-                            With it, claims, registrations and controller
-                            attachments are shared through etcd:
-      endpoints             required: [\"http://host:port\", ...], failover
-      prefix                {prefix}
-      lease_ttl             {ttl} (this node's liveness lease)
-      call_timeout          {etcd_call} (every etcd call)
-      attach_timeout        {attach} (one attach/detach request through a
-                            controller host on another node)
-      stop_after_disconnect off; a duration, at least lease_ttl:
-                            release this node's allocations when its
-                            lease cannot be renewed that long, and let
-                            the cluster detach and free its claims once
-                            its lease is gone that long
-      tls                   {{\"ca\", \"cert\", \"key\"}} PEM paths (builds
-                            with the `tls` feature)
-    docker                  none (off). With it, the Docker volume plugin
-                            protocol is served for Docker and Podman:
-      driver                {ddriver}
-      socket                /run/docker/plugins/<driver>.sock
-      mount_timeout         {dmount} (a Mount waiting longer for a claim
-                            or a plugin fails, naming what it waited on)
-      unused_check_interval {dunused} (engine mounts no container uses
-                            at two checks in a row are released)
-      engine_mount_timeout  {dengine} (an engine mount younger than
-                            this is never released by that rule)
-      engine_sockets        {dsockets} (asked
-                            before that rule releases: a container they
-                            list in any state keeps its volume)
-Durations are written like 500ms, 30s, 5m, 2h, 1d.
-
+{fields}
 SIGNALS:
     SIGTERM, SIGINT  stop gracefully: nothing is unmounted; the next start
                      resumes from the state file. Exits within the CSI call
@@ -104,25 +51,7 @@ EXIT CODES:
 ",
         cfg = config::DEFAULT_CONFIG_PATH,
         tmp = std::env::temp_dir().display(),
-        state = config::DEFAULT_STATE_DIR,
-        api = config::DEFAULT_API_SOCKET,
-        mounts = config::DEFAULT_MOUNT_ROOT,
-        call = format_duration(d.csi_call),
-        wait = format_duration(d.plugin_wait),
-        probe = format_duration(d.probe_interval),
-        claim = format_duration(d.claim_retry_deadline),
-        mount = format_duration(d.mount_retry_deadline),
-        release = format_duration(d.release_retry_deadline),
-        stats = format_duration(config::DEFAULT_VOLUME_STATS_INTERVAL),
-        prefix = config::DEFAULT_CLUSTER_PREFIX,
-        ttl = format_duration(config::DEFAULT_LEASE_TTL),
-        etcd_call = format_duration(config::DEFAULT_ETCD_CALL_TIMEOUT),
-        attach = format_duration(config::DEFAULT_ATTACH_TIMEOUT),
-        ddriver = config::docker::DEFAULT_DOCKER_DRIVER,
-        dmount = format_duration(config::docker::DEFAULT_DOCKER_MOUNT_TIMEOUT),
-        dunused = format_duration(config::docker::DEFAULT_DOCKER_UNUSED_CHECK),
-        dengine = format_duration(config::docker::DEFAULT_ENGINE_MOUNT_TIMEOUT),
-        dsockets = config::docker::DEFAULT_ENGINE_SOCKETS.join(", "),
+        fields = config::fields::help_section(),
     )
 }
 

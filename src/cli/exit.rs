@@ -1,5 +1,5 @@
 //! The exit codes of every `claimd` command, documented in `--help` and the
-//! README. An error picks its code by its type (`CliError::exit`), never by
+//! manual (packaging/doc/cli.md). An error picks its code by its type (`CliError::exit`), never by
 //! its message.
 
 /// How a command ended.

@@ -7,7 +7,7 @@
 //! `grpc_unsecure`, linked with the system OpenSSL); without it, TLS
 //! settings are refused with `EtcdError::TlsNotBuilt` when the client is
 //! created. What the feature costs in build time and binary size is
-//! measured in the README (*Dependencies*).
+//! measured in packaging/doc/performance.md (*Build time and binary size*).
 //!
 //! The files are read once, when the client is created, and checked to be
 //! PEM of the right kind, so that a wrong path or a swapped file is named at

@@ -91,7 +91,7 @@ fn section(endpoint: &str, prefix: &str, lease_ttl: Option<u64>, stop_after: Opt
         c["call_timeout"] = json!(format!("{}ms", (t * 500).min(5000)));
         // The takeover: the cluster moves a volume of a vanished node only
         // once it is fenced, and counts ControllerUnpublish as a fence only
-        // for plugins listed here (README, *Safety*).
+        // for plugins listed here (packaging/doc/safety.md).
         c["fencing_plugins"] = json!(["hp"]);
     }
     if let Some(d) = stop_after {
