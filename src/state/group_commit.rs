@@ -10,7 +10,7 @@
 //! How a state is made durable (a journal line, a rewritten file) is the
 //! owner's: it hands `update` a `persist` function, called without the lock.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
@@ -142,21 +142,28 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         let base = g.pending.as_ref().unwrap_or(&g.committed);
         let mut next = base.clone();
         let r = f(&mut next)?;
-        let mine = if next != *base {
+        let (mine, applied_at) = if next != *base {
             g.applied += 1;
             g.last_blocking = g.applied;
             g.pending = Some(next);
-            g.applied
+            (g.applied, Some(Instant::now()))
         } else if g.blocking_settled() {
             return Ok(r);
         } else {
-            g.last_blocking
+            (g.last_blocking, None)
+        };
+        let waited = || {
+            if let Some(t) = applied_at {
+                crate::metrics::STATE_COMMIT_WAIT_SECONDS.observe(&[], t.elapsed().as_secs_f64());
+            }
         };
         loop {
             if g.durable >= mine {
+                waited();
                 return Ok(r);
             }
             if g.failed >= mine {
+                waited();
                 return Err(failed(g.failure.clone()));
             }
             if g.writing {
@@ -276,6 +283,7 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         g.writing = false;
         match res {
             Ok(()) => {
+                crate::metrics::STATE_CHANGES_WRITTEN.add(upto - g.durable.max(g.failed));
                 g.committed = batch;
                 g.durable = upto;
                 if g.applied == upto {
