@@ -87,6 +87,10 @@ impl Lifecycle {
         // Busy: an operation holds (or waits for) a volume's lock.
         let locks = core.locks.clone();
         let busy = move || !locks.is_empty();
+        // Operations in flight: volumes whose lock is held or waited for.
+        // Many of them: a durable write waits a little for company.
+        let locks = core.locks.clone();
+        core.store.set_company(move || locks.len());
         let flusher = core.spawn("state-flush".to_string(), move || {
             self::core::write_closings(&store, &stop, busy)
         });

@@ -46,6 +46,10 @@ impl Counter {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -133,6 +137,16 @@ pub static CSI_OPERATIONS: HistogramVec = HistogramVec::new(CSI_OPERATION_BUCKET
 /// Durable state writes (a journal line and its fdatasync, or a
 /// compaction), in seconds; no labels.
 pub static STATE_WRITE_SECONDS: HistogramVec = HistogramVec::new(STATE_WRITE_BUCKETS);
+
+/// State changes whose caller waits for them to be durable: the time from
+/// the change applied (in memory, under the state's lock) to durable, that
+/// is the wait for the write in flight and the change's own write
+/// (group commit), in seconds; no labels.
+pub static STATE_COMMIT_WAIT_SECONDS: HistogramVec = HistogramVec::new(STATE_WRITE_BUCKETS);
+
+/// State changes made durable by the writes of `STATE_WRITE_SECONDS`
+/// (changes per write = this / that count: what group commit shares).
+pub static STATE_CHANGES_WRITTEN: Counter = Counter::new();
 
 /// etcd calls of cluster mode: `method` (`Range`, `Txn`, `LeaseGrant`, …)
 /// and `result` (`ok`, or `error`), in seconds.

@@ -63,6 +63,20 @@ fn sysconf(name: libc::c_int) -> Option<u64> {
     (v > 0).then_some(v as u64)
 }
 
+/// User plus system CPU time of this process (every thread, ended ones
+/// included), from getrusage(2).
+pub fn cpu_seconds() -> Option<f64> {
+    // SAFETY: getrusage writes into the struct it is given; all-zero is a
+    // valid value of it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above, with a pointer to our own struct.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return None;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Some(secs(u.ru_utime) + secs(u.ru_stime))
+}
+
 /// Resident memory of this process, in bytes.
 pub fn resident_memory_bytes() -> Option<u64> {
     Some(stat()?.rss_pages * sysconf(libc::_SC_PAGESIZE)?)
@@ -87,13 +101,21 @@ pub fn write(t: &mut Text) {
             s.vsize as f64,
         );
     }
-    if let (Some(s), Some(ticks)) = (&st, ticks) {
+    // getrusage(2) to the microsecond where /proc counts clock ticks
+    // (10 ms): an operation's CPU time is a fraction of a tick.
+    let cpu = cpu_seconds().or_else(|| {
+        let (s, ticks) = (st.as_ref()?, ticks?);
+        Some((s.utime_ticks + s.stime_ticks) as f64 / ticks as f64)
+    });
+    if let Some(cpu) = cpu {
         t.single(
             "process_cpu_seconds_total",
             Kind::Counter,
             "Total user and system CPU time spent in seconds.",
-            (s.utime_ticks + s.stime_ticks) as f64 / ticks as f64,
+            cpu,
         );
+    }
+    if let (Some(s), Some(ticks)) = (&st, ticks) {
         if let Some(boot) = boot_time() {
             t.single(
                 "process_start_time_seconds",

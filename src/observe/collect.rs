@@ -212,6 +212,19 @@ fn state(t: &mut Text, o: &Observer) {
         metrics::STATE_WRITE_SECONDS.buckets,
         &metrics::STATE_WRITE_SECONDS.snapshot(),
     );
+    t.single(
+        "claimd_state_changes_written_total",
+        Kind::Counter,
+        "State changes made durable by those writes (group commit puts several in one).",
+        metrics::STATE_CHANGES_WRITTEN.get() as f64,
+    );
+    t.histogram(
+        "claimd_state_commit_wait_seconds",
+        "Time from a state change applied to durable, for changes whose caller waits for it: the write in flight, then its own write.",
+        &[],
+        metrics::STATE_COMMIT_WAIT_SECONDS.buckets,
+        &metrics::STATE_COMMIT_WAIT_SECONDS.snapshot(),
+    );
 }
 
 /// Cluster mode: etcd calls, and whether this node's liveness lease is

@@ -9,10 +9,29 @@
 //!
 //! How a state is made durable (a journal line, a rewritten file) is the
 //! owner's: it hands `update` a `persist` function, called without the lock.
+//!
+//! Company: when the owner says many operations are in flight
+//! (`set_company`), the writer of a change that waits for its write first
+//! waits a little (`COMPANY_WAIT` at most) for others to join its batch,
+//! as PostgreSQL's `commit_delay` does. On a busy node their changes come
+//! within a write's time, so one write then serves several operations; on
+//! a quiet one nobody waits. Every change is still durable before its
+//! caller goes on: only when the write starts moves.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use std::sync::OnceLock;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
+
+/// At least this many operations in flight (as the owner counts them): the
+/// writer waits for company.
+pub const COMPANY_MIN_BUSY: usize = 4;
+/// The writer waits for company until the batch holds this many changes
+/// (or half the operations in flight, if fewer)...
+pub const COMPANY_BATCH: u64 = 8;
+/// ... or this long: a fraction of what one operation's CSI calls take.
+pub const COMPANY_WAIT: Duration = Duration::from_millis(2);
 
 struct Commit<S> {
     /// What is durable.
@@ -68,6 +87,12 @@ pub struct GroupCommit<S> {
     durable_changed: Condvar,
     /// A closing change waits for its write.
     closing_applied: Condvar,
+    /// A change was applied (for a writer waiting for company).
+    change_applied: Condvar,
+    /// Operations in flight, as the owner counts them (see `set_company`).
+    company: OnceLock<Box<dyn Fn() -> usize + Send + Sync>>,
+    /// `COMPANY_WAIT` (tests set their own).
+    company_wait: Duration,
 }
 
 impl<S: Clone + PartialEq> GroupCommit<S> {
@@ -89,7 +114,18 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
             }),
             durable_changed: Condvar::new(),
             closing_applied: Condvar::new(),
+            change_applied: Condvar::new(),
+            company: OnceLock::new(),
+            company_wait: COMPANY_WAIT,
         }
+    }
+
+    /// Tells the writer how many operations are in flight (it must not
+    /// take this state's lock): from `COMPANY_MIN_BUSY` on, the writer of a
+    /// change that waits for its write waits for company first. Set once;
+    /// a second call is ignored.
+    pub fn set_company(&self, busy: impl Fn() -> usize + Send + Sync + 'static) {
+        let _ = self.company.set(Box::new(busy));
     }
 
     /// Runs `f` on what readers see: the durable state, plus the closing
@@ -142,29 +178,61 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         let base = g.pending.as_ref().unwrap_or(&g.committed);
         let mut next = base.clone();
         let r = f(&mut next)?;
-        let mine = if next != *base {
+        let (mine, applied_at) = if next != *base {
             g.applied += 1;
             g.last_blocking = g.applied;
             g.pending = Some(next);
-            g.applied
+            self.change_applied.notify_all();
+            (g.applied, Some(Instant::now()))
         } else if g.blocking_settled() {
             return Ok(r);
         } else {
-            g.last_blocking
+            (g.last_blocking, None)
+        };
+        let waited = || {
+            if let Some(t) = applied_at {
+                crate::metrics::STATE_COMMIT_WAIT_SECONDS.observe(&[], t.elapsed().as_secs_f64());
+            }
         };
         loop {
             if g.durable >= mine {
+                waited();
                 return Ok(r);
             }
             if g.failed >= mine {
+                waited();
                 return Err(failed(g.failure.clone()));
             }
             if g.writing {
                 self.durable_changed.wait(&mut g);
                 continue;
             }
+            self.wait_for_company(&mut g);
             self.write_pending(&mut g, &mut persist);
         }
+    }
+
+    /// The writer's wait for company (see the module documentation): with
+    /// enough operations in flight, until the batch holds `COMPANY_BATCH`
+    /// changes (or half the operations, if fewer) or `COMPANY_WAIT` passed.
+    /// Marked as writing meanwhile, so nobody else starts a write.
+    fn wait_for_company(&self, g: &mut MutexGuard<'_, Commit<S>>) {
+        let Some(busy) = self.company.get() else {
+            return;
+        };
+        let busy = busy();
+        if busy < COMPANY_MIN_BUSY {
+            return;
+        }
+        let want = COMPANY_BATCH.min(busy as u64 / 2);
+        let deadline = Instant::now() + self.company_wait;
+        g.writing = true;
+        while g.applied - g.durable.max(g.failed) < want {
+            if self.change_applied.wait_until(g, deadline).timed_out() {
+                break;
+            }
+        }
+        g.writing = false;
     }
 
     /// A closing change: the last write of an operation whose intent is
@@ -193,6 +261,7 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         let mine = g.applied;
         g.last_closing = mine;
         g.pending = Some(next);
+        self.change_applied.notify_all();
         if g.blocking_settled() {
             g.show_latest();
         }
@@ -276,6 +345,7 @@ impl<S: Clone + PartialEq> GroupCommit<S> {
         g.writing = false;
         match res {
             Ok(()) => {
+                crate::metrics::STATE_CHANGES_WRITTEN.add(upto - g.durable.max(g.failed));
                 g.committed = batch;
                 g.durable = upto;
                 if g.applied == upto {
@@ -385,6 +455,48 @@ mod tests {
             durable = *new;
         }
         assert_eq!(durable, 8 * 25);
+    }
+
+    #[test]
+    fn with_many_operations_in_flight_the_writer_waits_for_company() {
+        let mut gc = GroupCommit::new(Log::new());
+        // Long enough never to run out here: the batch fills first.
+        gc.company_wait = std::time::Duration::from_secs(60);
+        gc.set_company(|| 16);
+        let batches = Mutex::new(Vec::new());
+        let record = |old: &Log, new: &Log| {
+            batches.lock().push((old.len(), new.len()));
+            Ok(())
+        };
+        thread::scope(|s| {
+            let first = s.spawn(|| gc.update(push(0), record, failed));
+            wait_applied(&gc, 1);
+            // The first writer waits for company: nothing written yet.
+            assert!(batches.lock().is_empty());
+            let others: Vec<_> = (1..COMPANY_BATCH as u32)
+                .map(|v| {
+                    let (gc, record) = (&gc, &record);
+                    s.spawn(move || gc.update(push(v), record, failed))
+                })
+                .collect();
+            assert_eq!(first.join().expect("first"), Ok(()));
+            for h in others {
+                assert_eq!(h.join().expect("other"), Ok(()));
+            }
+        });
+        // One write carried all of them.
+        assert_eq!(*batches.lock(), vec![(0, COMPANY_BATCH as usize)]);
+    }
+
+    #[test]
+    fn with_few_operations_in_flight_the_writer_does_not_wait() {
+        let mut gc = GroupCommit::new(Log::new());
+        gc.company_wait = std::time::Duration::from_secs(60);
+        gc.set_company(|| COMPANY_MIN_BUSY - 1);
+        let started = std::time::Instant::now();
+        gc.update(push(1), persist_ok, failed).expect("update");
+        // Not the minute it would have waited.
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
     }
 
     #[test]

@@ -200,6 +200,13 @@ impl StateStore {
         &self.boot_id
     }
 
+    /// Operations in flight, as the owner counts them: the writer of a
+    /// change waits a little for company when many are (see
+    /// `GroupCommit::set_company`). `busy` must not use the store.
+    pub fn set_company(&self, busy: impl Fn() -> usize + Send + Sync + 'static) {
+        self.state.set_company(busy);
+    }
+
     /// What the store has written since open.
     pub fn write_stats(&self) -> WriteStats {
         WriteStats {

@@ -1,4 +1,4 @@
-//! Where a sequential mount's or release's time goes, agent against bare
+//! Where a mount's or release's time goes, agent against bare
 //! client, measured in the same run: the bench stamps CLOCK_BOOTTIME
 //! around each operation, and the test plugin's call log stamps the same
 //! clock when each CSI call reached it and when it ended. One operation
@@ -18,16 +18,17 @@ use claimd::clock::boottime;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
-/// The CLOCK_BOOTTIME windows of operations, one per call of `time`.
+/// The CLOCK_BOOTTIME windows of operations, one per call of `time`, each
+/// with the (external) ID of the volume its calls name.
 #[derive(Default)]
-pub struct Windows(Mutex<Vec<(u64, u64)>>);
+pub struct Windows(Mutex<Vec<(String, u64, u64)>>);
 
 impl Windows {
-    pub fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub fn time<T>(&self, volume: String, f: impl FnOnce() -> T) -> T {
         let from = boottime().as_nanos() as u64;
         let out = f();
         let to = boottime().as_nanos() as u64;
-        self.0.lock().push((from, to));
+        self.0.lock().push((volume, from, to));
         out
     }
 }
@@ -60,35 +61,49 @@ impl Phases {
     }
 }
 
-/// Volume calls (`…Volume` methods) of the call log: (arrival, end) in ns
-/// and the method, by arrival.
-fn volume_calls(log: &Path) -> Vec<(u64, u64, String)> {
-    let mut calls: Vec<(u64, u64, String)> = std::fs::read_to_string(log)
+/// Volume calls (`…Volume` methods) of the call log by volume ID: (arrival,
+/// end) in ns and the method, by arrival.
+fn volume_calls(log: &Path) -> BTreeMap<String, Vec<(u64, u64, String)>> {
+    let mut calls = BTreeMap::<String, Vec<(u64, u64, String)>>::new();
+    for v in std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v["event"] == "end")
-        .filter_map(|v| {
-            let method = v["method"].as_str().filter(|m| m.ends_with("Volume"))?;
-            Some((
-                v["start_boottime_ns"].as_u64()?,
-                v["end_boottime_ns"].as_u64()?,
-                method.to_string(),
-            ))
-        })
-        .collect();
-    calls.sort_unstable();
+    {
+        let Some(method) = v["method"].as_str().filter(|m| m.ends_with("Volume")) else {
+            continue;
+        };
+        let (Some(from), Some(to), Some(volume)) = (
+            v["start_boottime_ns"].as_u64(),
+            v["end_boottime_ns"].as_u64(),
+            v["volume_id"].as_str(),
+        ) else {
+            continue;
+        };
+        calls
+            .entry(volume.to_string())
+            .or_default()
+            .push((from, to, method.to_string()));
+    }
+    for c in calls.values_mut() {
+        c.sort_unstable();
+    }
     calls
 }
 
-/// Splits each (sequential, non-overlapping) operation of `windows` by the
-/// volume calls that reached the plugin within it.
+/// Splits each operation of `windows` by the calls naming its volume that
+/// reached the plugin within it (operations may overlap: each is told
+/// apart by its volume).
 pub fn phases(log: &Path, windows: &Windows) -> Phases {
     let calls = volume_calls(log);
     let windows = windows.0.lock();
     let mut p = Phases::default();
     let ms = |ns: u64| ns as f64 / 1e6;
-    for &(from, to) in windows.iter() {
+    let none = Vec::new();
+    for (volume, from, to) in windows.iter() {
+        let (from, to) = (*from, *to);
+        let calls = calls.get(volume).unwrap_or(&none);
         let first = calls.partition_point(|c| c.0 < from);
         let last = calls.partition_point(|c| c.0 <= to);
         let mine = &calls[first..last];

@@ -32,6 +32,9 @@ fn scrape(addr: SocketAddr) -> usize {
     body.len()
 }
 
+/// Mount and release cycles whose agent's own part is taken the median of.
+const OWN_RUNS: usize = 7;
+
 /// The median of `n` timed runs of `f`.
 fn median(n: usize, mut f: impl FnMut()) -> Duration {
     let mut v: Vec<Duration> = (0..n)
@@ -107,6 +110,28 @@ pub fn growth(
     // them): the rest is the agent's own.
     let csi_mount_ms = (csi_seconds(&mm) - csi_seconds(&m0)) * 1000.0;
     let csi_release_ms = (csi_seconds(&m1) - csi_seconds(&mm)) * 1000.0;
+    // The agent's own part of a mount and a release (not in CSI calls):
+    // the median of a few more, each cycle timed alone.
+    let (mut own_mount, mut own_release) = (Vec::new(), Vec::new());
+    for _ in 0..OWN_RUNS {
+        let a = metrics_text(c);
+        let t = Instant::now();
+        mount(c, "growth-one", &["shared".to_string()]);
+        let mount_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let b = metrics_text(c);
+        let t = Instant::now();
+        release(c, "growth-one", Duration::from_secs(60));
+        let release_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let e = metrics_text(c);
+        own_mount.push(mount_ms - (csi_seconds(&b) - csi_seconds(&a)) * 1000.0);
+        own_release.push(release_ms - (csi_seconds(&e) - csi_seconds(&b)) * 1000.0);
+        stats(c);
+    }
+    let mid = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (own_mount, own_release) = (mid(&mut own_mount), mid(&mut own_release));
     let status = median(5, || {
         c.raw()
             .list_allocs(&w::ListAllocsRequest::new(), opt())
@@ -125,6 +150,8 @@ pub fn growth(
             "mean_state_write_ms": write_ms,
             "csi_ms_in_mount": csi_mount_ms,
             "csi_ms_in_release": csi_release_ms,
+            "own_mount_ms_median": own_mount,
+            "own_release_ms_median": own_release,
             "alloc_status_ms": status.as_secs_f64() * 1000.0,
             "metrics_scrape_ms": scrape_time.as_secs_f64() * 1000.0,
             "metrics_scrape_bytes": scraped,
@@ -153,6 +180,28 @@ pub fn growth(
             release_time.as_secs_f64() * 1000.0 - csi_release_ms
         ),
     ));
+    table.push((
+        format!(
+            "with {n} on record: the agent's own part of a mount / release, median of {OWN_RUNS}"
+        ),
+        format!("{own_mount:.2} / {own_release:.2} ms"),
+    ));
+    if n > 0 {
+        if let Some(none) = results
+            .get("growth_0")
+            .and_then(|g| g["own_mount_ms_median"].as_f64())
+        {
+            table.push((
+                format!(
+                    "target: the agent's own part of a mount with {n} on record <= 1.5x of none"
+                ),
+                format!(
+                    "{:.2}x ({own_mount:.2} ms vs {none:.2} ms)",
+                    own_mount / none
+                ),
+            ));
+        }
+    }
     table.push((
         format!("with {n} on record: alloc status (ListAllocs) / GET /metrics, median of 5"),
         format!(
