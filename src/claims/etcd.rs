@@ -11,9 +11,11 @@
 //! off from the cluster keeps its claims.
 //!
 //! Volume registrations are shared too, under `<prefix>/volumes/<id>`
-//! (the whole spec, secrets included: etcd is where the README says they
-//! live in cluster mode); each node keeps a copy of the specs it uses in
-//! its own state, so it restarts without etcd.
+//! (the whole spec, secrets included: etcd is where the manual's
+//! cluster.md says they live in cluster mode), with one name per storage
+//! volume (`registrations.rs`); each node keeps a copy of the specs it
+//! uses in its own state, so it restarts without etcd, brought up to the
+//! cluster's at each mount.
 //!
 //! Every round trip is made outside every state lock; the local record is
 //! written after it. An unreachable etcd is `Unavailable` (retried by the

@@ -120,7 +120,7 @@ pub fn tau(check_period: Duration) -> Duration {
 /// whose outcome is unknown before it tears down; then NodeUnpublish and
 /// NodeUnstage. It assumes the node plugin answers: one that does not
 /// (not ready at the release) can keep the volume mounted past it, and
-/// only a fence protects then (README, Safety).
+/// only a fence protects then (the manual's safety.md).
 pub fn unmount_bound(csi_call: Duration) -> Duration {
     csi_call * 4
 }
