@@ -271,10 +271,12 @@ impl EtcdClaims {
             })
     }
 
-    /// After a take `Txn` failed: the registration as it read it (the
-    /// last of its reads). Moved but naming the same storage (a capacity
-    /// written): the next attempt compares the new revision; registered
-    /// again for other storage, or deregistered: `Impossible`.
+    /// After a take `Txn` failed: the registration and the storage index
+    /// as it read them (after the claims and the liveness key). Moved but
+    /// naming the same storage (a capacity written): the next attempt
+    /// compares the new revision; registered again for other storage, or
+    /// deregistered: `Impossible`. An index that no longer names the
+    /// volume is taken back, unless another registration holds it.
     fn registration_moved(
         &self,
         req: &ClaimRequest,
