@@ -692,44 +692,18 @@ fn nemesis() {
         .filter(|a| !a.rw)
         .map(|a| a.id.as_str())
         .collect();
-    // Nodes lost and freed by hand (`faults::Kind::NodeLost`): when (wall
-    // ms) their mounts went, and the allocations they held then.
-    let losses: Vec<(String, u64, u64)> = shared
-        .events
-        .lock()
-        .expect("events lock")
-        .iter()
-        .filter(|e| {
-            e["kind"] == "fault" && e["fault"] == "node-lost-freed-by-hand" && e["freed_ok"] == true
-        })
-        .filter_map(|e| {
-            Some((
-                e["node"].as_str()?.to_string(),
-                e["down_wall_ms"].as_u64()?,
-                e["up_t_ms"].as_u64().unwrap_or(u64::MAX),
-            ))
-        })
-        .collect();
-    let lost: BTreeSet<String> = allocs
-        .iter()
-        .filter(|a| {
-            losses
-                .iter()
-                .any(|(n, _, up)| *n == a.node && a.acked_at_ms < *up)
-        })
-        .map(|a| a.id.clone())
-        .collect();
+    // Nodes lost and freed by hand, and the allocations they held then.
+    let (losses, lost) = checker::node_losses(&shared.events.lock().expect("events lock"), &allocs);
     let mut intervals: Vec<Interval> = seen.iter().map(Interval::from).collect();
     let mut fences = Vec::new();
     let mut unpublished = BTreeSet::new();
     for n in &nodes {
         let calls = n.plugin.call_log().calls();
-        let downs: Vec<u64> = losses
-            .iter()
-            .filter(|(node, ..)| *node == n.name)
-            .map(|(_, down, _)| *down)
-            .collect();
-        intervals.extend(checker::call_log_intervals(&n.name, &calls, &downs));
+        intervals.extend(checker::call_log_intervals(
+            &n.name,
+            &calls,
+            &losses.downs(&n.name),
+        ));
         for c in &calls {
             if c["code"] != "OK" {
                 continue;

@@ -309,6 +309,49 @@ pub fn check_overlaps(
     out
 }
 
+/// Nodes lost and freed by hand (`faults::Kind::NodeLost`, every free
+/// answered): (node, wall ms its mounts went, since-start ms it came back).
+pub struct Losses(Vec<(String, u64, u64)>);
+
+impl Losses {
+    /// When (wall ms) `node` was lost.
+    pub fn downs(&self, node: &str) -> Vec<u64> {
+        self.0
+            .iter()
+            .filter(|(n, ..)| n == node)
+            .map(|(_, down, _)| *down)
+            .collect()
+    }
+}
+
+/// The losses among the run's events, and the allocations held on a lost
+/// node then (acknowledged before it came back): `check_allocs`'s `lost`.
+pub fn node_losses(events: &[Value], allocs: &[Alloc]) -> (Losses, BTreeSet<String>) {
+    let losses: Vec<(String, u64, u64)> = events
+        .iter()
+        .filter(|e| {
+            e["kind"] == "fault" && e["fault"] == "node-lost-freed-by-hand" && e["freed_ok"] == true
+        })
+        .filter_map(|e| {
+            Some((
+                e["node"].as_str()?.to_string(),
+                e["down_wall_ms"].as_u64()?,
+                e["up_t_ms"].as_u64().unwrap_or(u64::MAX),
+            ))
+        })
+        .collect();
+    let lost = allocs
+        .iter()
+        .filter(|a| {
+            losses
+                .iter()
+                .any(|(n, _, up)| *n == a.node && a.acked_at_ms < *up)
+        })
+        .map(|a| a.id.clone())
+        .collect();
+    (Losses(losses), lost)
+}
+
 // ---- (3) and (4) the end state ----------------------------------------------------
 
 /// What is left at the end, per place.
