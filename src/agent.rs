@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::api::ApiServer;
 use crate::claims::fencing::Fencing;
+use crate::claims::margins::ReleaseBounds;
 use crate::claims::{ClaimStore, EmbeddedClaims, EtcdClaims};
 use crate::cluster::{ControllerHost, DisconnectRule, NodeLiveness, RuleParts, SelfReleaseParts};
 use crate::config::Config;
@@ -34,7 +35,8 @@ pub enum AgentError {
     },
     /// The cluster section names endpoints or TLS files etcd cannot use.
     Cluster(crate::etcd::EtcdError),
-    /// This node's instance ID cannot be read or made.
+    /// This node's identity cannot be read or made: its instance ID, or
+    /// what it last published of its self-release.
     Identity(String),
     /// `metrics_listen` cannot be bound (in use, not local, or the unit's
     /// RestrictAddressFamilies= leaves out its family).
@@ -178,13 +180,19 @@ impl Agent {
                     "cluster: this node is {} (instance {instance})",
                     config.node_name
                 );
-                let fencing = Arc::new(Fencing::open(
-                    &config.state_dir,
-                    &instance,
-                    store.boot_id(),
-                    c.lease_ttl,
-                    c.stop_after_disconnect,
-                ));
+                let fencing = Arc::new(
+                    Fencing::open(
+                        &config.state_dir,
+                        &instance,
+                        store.boot_id(),
+                        ReleaseBounds::new(
+                            c.stop_after_disconnect,
+                            c.lease_ttl,
+                            config.timeouts.csi_call,
+                        ),
+                    )
+                    .map_err(AgentError::Identity)?,
+                );
                 let etcd_claims = Arc::new(
                     EtcdClaims::new(client.clone(), &c.prefix, store.clone())
                         .with_node(&config.node_name)
@@ -216,8 +224,7 @@ impl Agent {
                     vec![crate::cluster::settings_entry(
                         &c.prefix,
                         &config.node_name,
-                        c.stop_after_disconnect,
-                        c.lease_ttl,
+                        fencing.bounds(),
                         config.timeouts.csi_call,
                     )],
                     fencing.clone(),

@@ -548,12 +548,12 @@ impl Config {
         )?;
         if let Some(c) = &cluster {
             if let Some(window) = c.stop_after_disconnect {
-                use crate::claims::fencing;
-                fencing::check_margins(
+                use crate::claims::margins;
+                margins::check_margins(
                     c.lease_ttl,
                     window,
-                    fencing::unmount_bound(csi_call),
-                    fencing::tau(fencing::self_release_period(c.lease_ttl)),
+                    margins::unmount_bound(csi_call),
+                    margins::tau(margins::self_release_period(c.lease_ttl)),
                 )
                 .map_err(|e| field_err("cluster.stop_after_disconnect", e))?;
             }

@@ -246,3 +246,109 @@ fn the_settle_after_a_fence_waits_out_the_senders_deadline() {
         c.holders("v").is_empty()
     });
 }
+
+/// Issue 37, item 6: the cluster waits the W that node a last published
+/// (`node-settings/a`). a is cut off from etcd, killed, and started again,
+/// still cut off, with a window of 10 minutes instead of 3 s: it cannot
+/// publish that before etcd answers, so until it registers it must let go
+/// of its volume by the settings the cluster knows, not by its new config.
+/// Before the fix (`claims::published`), a kept its volume for the new 10
+/// minutes while the cluster could act after about 16 s.
+#[test]
+fn a_window_raised_while_cut_off_counts_only_once_published() {
+    let mut c = Cluster::start(vec![
+        nfs_node("a")
+            .proxied()
+            .stop_after_disconnect(STOP_AFTER)
+            .csi_call_timeout("2s"),
+        nfs_node("b"),
+    ]);
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let path = c.node("a").mount_ok("p1", "data=v");
+    let state_dir = c.node("a").agent.config.state_dir.clone();
+    wait_until(
+        SHOW_TIMEOUT,
+        "a's lease clock and published settings",
+        || {
+            state_dir.join("lease-clock.json").exists()
+                && state_dir.join("published-settings.json").exists()
+        },
+    );
+    let w = observer_wait(&c, "a");
+    let cut_at = now_ms();
+    c.node("a").cut();
+    c.node_mut("a").agent.kill();
+    let a = c.node_mut("a");
+    a.agent.config.cluster.as_mut().expect("a cluster section")["stop_after_disconnect"] =
+        json!("10m");
+    a.agent.config.write(&a.agent.config_path);
+    a.agent.restart();
+    let a = c.node("a");
+    let unpublished = || -> Vec<Value> {
+        a.calls_of(NUP)
+            .into_iter()
+            .filter(|c| ts(c) >= cut_at)
+            .collect()
+    };
+    wait_until(
+        RETRY_TIMEOUT,
+        "a to let go of p1 by its published window",
+        || !unpublished().is_empty(),
+    );
+    let nup = ts(&unpublished()[0]);
+    // The cluster may act on a's claim from s + TTL + W on, s (a's last
+    // renewal) before the cut.
+    assert!(
+        nup < cut_at + LEASE_TTL_MS + w.as_millis() as u64,
+        "a let go {} ms after the cut; the cluster may act after {} ms",
+        nup - cut_at,
+        LEASE_TTL_MS + w.as_millis() as u64
+    );
+    assert!(!is_mount_point(&path));
+    assert!(
+        a.agent
+            .log()
+            .contains("as the settings this node last published allow"),
+        "{}",
+        a.agent.log()
+    );
+    // etcd still holds the old settings; once a registers, the new ones.
+    assert_eq!(observer_wait(&c, "a"), w);
+    a.heal();
+    c.wait_alive("a");
+    wait_until(SHOW_TIMEOUT, "a's new settings in etcd", || {
+        c.get_json("node-settings/a").expect("a's settings")["stop_after_disconnect_ms"]
+            == json!(600_000)
+    });
+    wait_until(RETRY_TIMEOUT, "a to free p1", || c.holders("v").is_empty());
+}
+
+/// A `published-settings.json` that is not that file stops the agent,
+/// naming it, and is left as it is: going by the configured window
+/// instead could outlast what the cluster knows (the test above).
+#[test]
+fn a_corrupt_published_settings_file_stops_the_agent_and_is_kept() {
+    let mut c = Cluster::start(vec![nfs_node("a").stop_after_disconnect(STOP_AFTER)]);
+    let file = c
+        .node("a")
+        .agent
+        .config
+        .state_dir
+        .join("published-settings.json");
+    wait_until(SHOW_TIMEOUT, "a's published settings", || file.exists());
+    c.node_mut("a").agent.kill();
+    std::fs::write(&file, b"{\"published\": [{\"window_ms\": \"x\"}]}").expect("write");
+    let a = c.node_mut("a");
+    a.agent.spawn();
+    let status = a.agent.wait_exit(AGENT_START_TIMEOUT);
+    assert!(!status.success(), "{status:?}");
+    let log = a.agent.log();
+    assert!(
+        log.contains("published-settings.json is not what this node published"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read(&file).expect("read"),
+        b"{\"published\": [{\"window_ms\": \"x\"}]}"
+    );
+}

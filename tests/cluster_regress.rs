@@ -861,13 +861,19 @@ fn node_a(etcd: &Etcd, endpoints: &[String]) -> NodeA {
     use std::sync::Arc;
     let dir = TestDir::new();
     let state = Arc::new(claimd::state::StateStore::open(dir.path()).expect("a state directory"));
-    let fencing = Arc::new(claimd::claims::fencing::Fencing::open(
-        dir.path(),
-        "instance-a",
-        state.boot_id(),
-        Duration::from_secs(30),
-        None,
-    ));
+    let fencing = Arc::new(
+        claimd::claims::fencing::Fencing::open(
+            dir.path(),
+            "instance-a",
+            state.boot_id(),
+            claimd::claims::margins::ReleaseBounds::new(
+                None,
+                Duration::from_secs(30),
+                Duration::from_secs(60),
+            ),
+        )
+        .expect("a fencing state"),
+    );
     let shutdown = claimd::shutdown::Shutdown::new();
     let liveness = claimd::cluster::NodeLiveness::start(
         etcd.client(),

@@ -422,12 +422,12 @@ fn nemesis() {
         kinds.push(Kind::SlowController);
     }
     let reap = {
-        use claimd::claims::fencing;
+        use claimd::claims::margins;
         LEASE_TTL
-            + fencing::observer_wait(
+            + margins::observer_wait(
                 STOP_AFTER_DISCONNECT,
-                fencing::unmount_bound(CSI_CALL),
-                fencing::tau(fencing::self_release_period(LEASE_TTL)),
+                margins::unmount_bound(CSI_CALL),
+                margins::tau(margins::self_release_period(LEASE_TTL)),
             )
     };
     let plan = Plan {

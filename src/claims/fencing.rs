@@ -17,43 +17,32 @@
 //!   lease was registered), and only while that lease is valid. A mount
 //!   resumed after a pause, or a node back with a new lease, reads its
 //!   claim again before it calls up;
-//! - the **margin arithmetic**: with ρ the clock drift rate (`DRIFT`), τ
-//!   this node's self-release check period plus scheduling delay, U its
-//!   longest unmount (NodeUnpublish + NodeUnstage at their deadlines) and M
-//!   a margin (`MARGIN`), the cluster acts on a node's claims no earlier
-//!   than `s + (TTL + W)(1−ρ)` and the node is done by `s + D(1+ρ) + τ + U`;
-//!   observers wait `W = D + U + τ + 2ρD + M` (`observer_wait`) and a
-//!   config that cannot meet `(TTL + W)(1−ρ) > D(1+ρ) + τ + U + M` is
-//!   refused (`check_margins`).
+//! - the **window this node goes by** (`Fencing::window`): its
+//!   `stop_after_disconnect` once this run registered, before that no more
+//!   than the settings it last published allow (`claims::published`);
+//! - the **free rule** of the reaper and the operator (`FreeRule`).
 //!
+//! The margin arithmetic (W, U, τ, the inequality) is `claims::margins`.
 //! The lifecycle asks `ClaimStore::check_call_up` before every call up; the
 //! etcd store answers from here. The cluster's reaper computes
-//! its wait from `observer_wait` and frees only by the rules in
+//! its wait from `margins::observer_wait` and frees only by the rules in
 //! `may_free_unfenced`.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 
+use super::margins::{bounded_window, ReleaseBounds, DRIFT};
+use super::published::Published;
 use crate::clock::boottime;
 use crate::etcd::{LeaseId, RenewalClock};
 
-/// ρ: the drift rate assumed between two nodes' clocks (0.1 %: twenty
-/// times what NTP-less quartz drifts, about 50 ppm). Only monotonic clocks
-/// are compared with it, never two machines' wall clocks.
-pub const DRIFT: f64 = 0.001;
-/// M: slack on top of every bound (scheduling, a slow disk).
-pub const MARGIN: Duration = Duration::from_secs(1);
 /// Subtracted from the lease's life before a call up: the call is sent
 /// with this much of the lease left at least.
 pub const LEASE_MARGIN: Duration = Duration::from_millis(200);
-/// Scheduling delay counted into τ on top of the check period.
-pub const SCHEDULING_DELAY: Duration = Duration::from_millis(500);
-
 /// The file of the persisted lease clock, in the state directory.
 pub const LEASE_CLOCK_FILE: &str = "lease-clock.json";
 /// The file of this node's instance ID, in the state directory.
@@ -85,7 +74,7 @@ pub fn instance_id(state_dir: &Path) -> Result<String, String> {
                 .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
                 .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
             let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            write_bytes_atomically(&path, format!("{id}\n").as_bytes())
+            crate::state::write_file_atomically(&path, format!("{id}\n").as_bytes())
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             Ok(id)
         }
@@ -102,53 +91,6 @@ pub struct LeaseClockFile {
     pub lease_id: String,
     /// CLOCK_BOOTTIME (ms) at which the last answered keep-alive was sent.
     pub sent_boottime_ms: u64,
-}
-
-/// How often a node checks its own lease for the self-release.
-pub fn self_release_period(ttl: Duration) -> Duration {
-    (ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2))
-}
-
-/// τ for a node whose self-release check runs every `check_period`.
-pub fn tau(check_period: Duration) -> Duration {
-    check_period + SCHEDULING_DELAY
-}
-
-/// U for a node whose CSI calls have `csi_call` as deadline, each term at
-/// its deadline: a call up sent just before the window ran out (allowed
-/// without etcd until s + D) still running; the release's wait for a call
-/// whose outcome is unknown before it tears down; then NodeUnpublish and
-/// NodeUnstage. It assumes the node plugin answers: one that does not
-/// (not ready at the release) can keep the volume mounted past it, and
-/// only a fence protects then (the manual's safety.md).
-pub fn unmount_bound(csi_call: Duration) -> Duration {
-    csi_call * 4
-}
-
-/// W: how long an observer waits, after it first saw a node's liveness
-/// gone, before the cluster acts on the node's claims.
-pub fn observer_wait(window: Duration, unmount: Duration, tau: Duration) -> Duration {
-    window + unmount + tau + window.mul_f64(2.0 * DRIFT) + MARGIN
-}
-
-/// Refuses settings under which the node might still be using a volume
-/// when the cluster acts on its claims.
-pub fn check_margins(
-    ttl: Duration,
-    window: Duration,
-    unmount: Duration,
-    tau: Duration,
-) -> Result<(), String> {
-    let w = observer_wait(window, unmount, tau);
-    let cluster_acts = (ttl + w).mul_f64(1.0 - DRIFT);
-    let node_done = window.mul_f64(1.0 + DRIFT) + tau + unmount + MARGIN;
-    if cluster_acts > node_done {
-        Ok(())
-    } else {
-        Err(format!(
-            "the cluster could act on this node's claims {cluster_acts:?} after its last renewal, before it is done with its volumes ({node_done:?}): (lease_ttl + W)(1-{DRIFT}) must exceed stop_after_disconnect(1+{DRIFT}) + tau + U + M"
-        ))
-    }
 }
 
 /// Whether the cluster may free a claim of a node gone for good without a
@@ -252,7 +194,13 @@ pub struct Fencing {
     /// This node's instance ID (`instance_id`).
     instance: String,
     ttl: Duration,
-    window: Option<Duration>,
+    /// The settings this agent publishes (its window among them).
+    bounds: ReleaseBounds,
+    /// What etcd may hold of this node's settings, until this run's first
+    /// registration (`window`).
+    published: Mutex<Published>,
+    /// This run registered: etcd holds `bounds`.
+    published_now: std::sync::atomic::AtomicBool,
     boot_id: String,
     path: PathBuf,
     /// The previous run's last answered send time (this boot only).
@@ -280,14 +228,18 @@ pub struct Fencing {
 
 impl Fencing {
     /// Reads the persisted clock of `state_dir` (a missing, unreadable or
-    /// other-boot file counts as expired and is said in the log).
+    /// other-boot file counts as expired and is said in the log) and what
+    /// this node last published (`claims::published`: a file that is not
+    /// that is refused, naming it). `bounds`: the settings this agent
+    /// publishes.
     pub fn open(
         state_dir: &Path,
         instance: &str,
         boot_id: &str,
-        ttl: Duration,
-        window: Option<Duration>,
-    ) -> Fencing {
+        bounds: ReleaseBounds,
+    ) -> Result<Fencing, String> {
+        let ttl = bounds.lease_ttl();
+        let published = Published::open(state_dir)?;
         let path = state_dir.join(LEASE_CLOCK_FILE);
         let persisted = match std::fs::read(&path) {
             Ok(bytes) => match serde_json::from_slice::<LeaseClockFile>(&bytes) {
@@ -316,10 +268,12 @@ impl Fencing {
                 None
             }
         };
-        Fencing {
+        let fencing = Fencing {
             instance: instance.to_string(),
             ttl,
-            window,
+            bounds,
+            published: Mutex::new(published),
+            published_now: Default::default(),
             boot_id: boot_id.to_string(),
             path,
             persisted,
@@ -330,7 +284,38 @@ impl Fencing {
             written: Mutex::new(None),
             back: Mutex::new((0, None)),
             back_cv: Condvar::new(),
+        };
+        let window = fencing.window();
+        if window != bounds.window() {
+            log::warn!(
+                "cluster: this node last published other self-release settings ({}): until it registers in etcd again, it lets go of its volumes {} after its last renewal, not {} (the cluster acts by what it knows)",
+                fencing.published.lock().sets().iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "),
+                window.map_or("never".to_string(), |w| format!("{w:?}")),
+                bounds.window().map_or("never".to_string(), |w| format!("{w:?}")),
+            );
         }
+        Ok(fencing)
+    }
+
+    /// The settings this agent publishes.
+    pub fn bounds(&self) -> &ReleaseBounds {
+        &self.bounds
+    }
+
+    /// The window (D) this node goes by: its `stop_after_disconnect` once
+    /// this run registered (etcd holds it then); before, no more than
+    /// every set of settings etcd may still hold allows (`bounded_window`).
+    pub fn window(&self) -> Option<Duration> {
+        if self.published_now.load(std::sync::atomic::Ordering::SeqCst) {
+            return self.bounds.window();
+        }
+        bounded_window(&self.bounds, self.published.lock().sets())
+    }
+
+    /// Before a registration writes this node's settings: the file of what
+    /// etcd may hold names them first (an error stops the registration).
+    pub fn publishing(&self) -> Result<(), String> {
+        self.published.lock().publishing(&self.bounds)
     }
 
     pub fn instance(&self) -> &str {
@@ -341,6 +326,13 @@ impl Fencing {
     /// `revision`); `clock` reads its renewals.
     pub fn lease_registered(&self, lease: LeaseId, revision: i64, clock: RenewalClock) {
         let sent = clock.last_sent_boottime();
+        // The registration wrote this node's settings with its liveness.
+        self.published_now
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Err(e) = self.published.lock().published(&self.bounds) {
+            // The file still names these among others: stricter, not wrong.
+            log::warn!("cluster: {e}");
+        }
         *self.liveness_revision.lock() = Some(revision);
         *self.live.lock() = Some((lease, clock));
         self.persist();
@@ -470,7 +462,7 @@ impl Fencing {
     /// no `stop_after_disconnect` only an operator frees a claim; with one,
     /// only before `last_sent + window`.
     pub fn without_etcd(&self) -> Result<(), String> {
-        let Some(window) = self.window else {
+        let Some(window) = self.window() else {
             return Ok(());
         };
         match self.last_sent() {
@@ -562,81 +554,30 @@ impl Fencing {
 
 fn write_atomically(path: &Path, file: &LeaseClockFile) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(file).expect("a lease clock always encodes");
-    write_bytes_atomically(path, &bytes)
-}
-
-fn write_bytes_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_data()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    crate::state::write_file_atomically(path, &bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn observers_wait_long_enough_for_the_defaults() {
-        let ttl = Duration::from_secs(15);
-        let d = Duration::from_secs(60);
-        let u = unmount_bound(Duration::from_secs(60));
-        let t = tau(Duration::from_secs(2));
-        assert!(check_margins(ttl, d, u, t).is_ok());
-        let w = observer_wait(d, u, t);
-        assert!(w > d + u + t);
-    }
-
-    /// U covers what the release does after the window ran out, each at
-    /// the CSI deadline: a call up still running, the wait for a call of
-    /// unknown outcome, NodeUnpublish, NodeUnstage (until 2026-12-05 only
-    /// the last two: issue 37, item 6).
-    #[test]
-    fn the_unmount_bound_covers_a_call_up_in_flight_and_the_uncertain_wait() {
-        let c = Duration::from_secs(7);
-        let (call_up, uncertain, unpublish, unstage) = (c, c, c, c);
-        assert!(unmount_bound(c) >= call_up + uncertain + unpublish + unstage);
-    }
-
-    #[test]
-    fn a_huge_window_with_a_tiny_ttl_is_refused() {
-        // 2ρ²D grows past TTL(1−ρ) for a window of weeks on a 2 s lease.
-        let r = check_margins(
-            Duration::from_secs(2),
-            Duration::from_secs(3_000_000),
-            Duration::from_secs(10),
-            Duration::from_secs(1),
-        );
-        assert!(r.is_err(), "{r:?}");
+    fn bounds(window: Option<Duration>) -> ReleaseBounds {
+        ReleaseBounds::new(window, Duration::from_secs(2), Duration::from_secs(1))
     }
 
     #[test]
     fn a_missing_file_is_expired_and_without_a_window_nothing_waits() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let f = Fencing::open(dir.path(), "i", "boot", Duration::from_secs(2), None);
+        let f = Fencing::open(dir.path(), "i", "boot", bounds(None)).expect("opens");
         assert_eq!(f.last_sent(), None);
         assert!(f.without_etcd().is_ok());
         let f = Fencing::open(
             dir.path(),
             "i",
             "boot",
-            Duration::from_secs(2),
-            Some(Duration::from_secs(4)),
-        );
+            bounds(Some(Duration::from_secs(4))),
+        )
+        .expect("opens");
         assert!(f.without_etcd().is_err());
         assert_eq!(f.valid_lease(), None);
         assert!(!f.is_confirmed("v", "a"));
@@ -653,10 +594,10 @@ mod tests {
         };
         write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &file).expect("write");
         let window = Some(Duration::from_secs(10));
-        let f = Fencing::open(dir.path(), "i", "this", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "this", bounds(window)).expect("opens");
         assert!(f.without_etcd().is_ok());
         assert!(f.since_last_sent().is_some());
-        let f = Fencing::open(dir.path(), "i", "other", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "other", bounds(window)).expect("opens");
         assert!(f.without_etcd().is_err());
         // Long past: expired.
         let old = LeaseClockFile {
@@ -664,7 +605,7 @@ mod tests {
             ..file
         };
         write_atomically(&dir.path().join(LEASE_CLOCK_FILE), &old).expect("write");
-        let f = Fencing::open(dir.path(), "i", "this", Duration::from_secs(2), window);
+        let f = Fencing::open(dir.path(), "i", "this", bounds(window)).expect("opens");
         assert!(f.without_etcd().is_err());
     }
 
@@ -672,13 +613,8 @@ mod tests {
     fn a_corrupt_file_is_expired_and_left_for_the_next_renewal() {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join(LEASE_CLOCK_FILE), b"{not json").expect("write");
-        let f = Fencing::open(
-            dir.path(),
-            "i",
-            "b",
-            Duration::from_secs(2),
-            Some(Duration::from_secs(60)),
-        );
+        let f = Fencing::open(dir.path(), "i", "b", bounds(Some(Duration::from_secs(60))))
+            .expect("opens");
         assert!(f.without_etcd().is_err());
     }
 

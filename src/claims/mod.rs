@@ -23,6 +23,8 @@ pub mod controller_calls;
 mod embedded;
 pub mod etcd;
 pub mod fencing;
+pub mod margins;
+pub mod published;
 mod reconcile;
 pub mod remote;
 mod rules;

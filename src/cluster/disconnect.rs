@@ -6,7 +6,10 @@
 //!   last keep-alive etcd answered was *sent* longer ago than the window
 //!   (CLOCK_BOOTTIME, persisted across restarts of this boot by
 //!   `claims::fencing`, so a restart does not reset it), it releases every
-//!   allocation itself. The node side (NodeUnpublish, NodeUnstage) is done
+//!   allocation itself. Until this run registers, the window is no longer
+//!   than the settings this node last published allow
+//!   (`claims::published`: a restart with a larger one while cut off).
+//!   The node side (NodeUnpublish, NodeUnstage) is done
 //!   at once; the controller detach and the claims follow when etcd
 //!   answers again.
 //! - **`reaper`** (other nodes): each node writes its settings to
@@ -15,7 +18,7 @@
 //!   check period τ. An observer counts a node's absence only from fresh
 //!   observations (its own lease valid, its reads answered, no gap longer
 //!   than a few periods between two of them); once the node has been seen
-//!   gone for `W = fencing::observer_wait(D, U, τ)`, the agent that takes
+//!   gone for `W = margins::observer_wait(D, U, τ)`, the agent that takes
 //!   `<prefix>/reaper-locks/<node>` (a `Txn` on its own lease: exactly one at
 //!   a time; an ambiguous answer is settled by reading the lock) acts on the
 //!   node's volumes by `fencing::FreeRule::Cluster`: a volume fenced from the
@@ -36,7 +39,8 @@ use parking_lot::Mutex;
 use super::liveness::NodeLiveness;
 use super::view::{NodeSettings, NodeView, NodesSnapshot};
 use crate::claims::etcd::unavailable;
-use crate::claims::fencing::{self, Fencing, FreeRule};
+use crate::claims::fencing::{Fencing, FreeRule};
+use crate::claims::margins::{self, ReleaseBounds};
 use crate::claims::{ClaimError, EtcdClaims};
 use crate::etcd::{Compare, LeaseId, TxnOp};
 use crate::lifecycle::Lifecycle;
@@ -59,16 +63,13 @@ pub const DISCONNECT_RELEASE_REASON: &str = "released while disconnected";
 pub fn settings_entry(
     prefix: &str,
     node: &str,
-    window: Option<Duration>,
-    lease_ttl: Duration,
+    bounds: &ReleaseBounds,
     csi_call: Duration,
 ) -> (String, Vec<u8>) {
     let value = NodeSettings {
-        stop_after_disconnect_ms: window.map(|w| w.as_millis() as u64),
-        unmount_bound_ms: Some(fencing::unmount_bound(csi_call).as_millis() as u64),
-        check_period_ms: Some(
-            fencing::tau(fencing::self_release_period(lease_ttl)).as_millis() as u64,
-        ),
+        stop_after_disconnect_ms: bounds.window_ms,
+        unmount_bound_ms: Some(bounds.unmount_bound_ms),
+        check_period_ms: Some(bounds.check_period_ms),
         claim_index: true,
         csi_call_timeout_ms: Some(csi_call.as_millis() as u64),
     };
@@ -117,12 +118,14 @@ impl DisconnectRule {
     /// the restore; `start_reaper` adds the reaper after it.
     pub fn start_self_release(parts: SelfReleaseParts) -> std::io::Result<DisconnectRule> {
         let mut threads = Threads::new();
-        if let Some(window) = parts.window {
-            let every = fencing::self_release_period(parts.lease_ttl);
+        // Started when the node has a window, or when what it published
+        // has one (a window turned off while cut off: the cluster still
+        // acts by the published one until this run registers).
+        if parts.window.is_some() || parts.fencing.window().is_some() {
+            let every = margins::self_release_period(parts.lease_ttl);
             let mut me = SelfRelease {
                 started: Instant::now(),
                 released: false,
-                window,
                 parts,
             };
             threads.spawn("self-release", move || {
@@ -191,7 +194,6 @@ impl DisconnectRule {
 
 struct SelfRelease {
     parts: SelfReleaseParts,
-    window: Duration,
     started: Instant,
     /// This node released its allocations during the current disconnect.
     released: bool,
@@ -236,7 +238,13 @@ impl SelfRelease {
             self.wait_for_registration();
         }
         let ago = self.since_renewal();
-        if ago < self.window {
+        // The configured window once this run registered; before, what
+        // the settings etcd may hold allow (`Fencing::window`).
+        let Some(window) = self.parts.fencing.window() else {
+            self.released = false;
+            return;
+        };
+        if ago < window {
             self.released = false;
             return;
         }
@@ -260,8 +268,12 @@ impl SelfRelease {
             format!("{ago:?} ago")
         };
         log::warn!(
-            "cluster: this node's lease was last renewed {ago} (stop_after_disconnect {:?}): {DISCONNECT_RELEASE_REASON}: releasing {} allocation(s): {}",
-            self.window,
+            "cluster: this node's lease was last renewed {ago} (stop_after_disconnect {window:?}{}): {DISCONNECT_RELEASE_REASON}: releasing {} allocation(s): {}",
+            if Some(window) == self.parts.window {
+                ""
+            } else {
+                ", as the settings this node last published allow"
+            },
             allocs.len(),
             allocs.join(", ")
         );

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::claims::fencing;
+use crate::claims::margins;
 use crate::etcd::{prefix_end, EtcdClient, KeyValue, WatchEvent};
 use crate::shutdown::Shutdown;
 use crate::threads::Threads;
@@ -69,7 +69,7 @@ impl NodeSettings {
         let t = self
             .check_period_ms
             .map_or(ASSUMED_TAU, Duration::from_millis);
-        Some(fencing::observer_wait(d, u, t))
+        Some(margins::observer_wait(d, u, t))
     }
 }
 

@@ -59,7 +59,7 @@ pub fn fields() -> Vec<Field> {
     vec![
         f("state_dir", v(super::DEFAULT_STATE_DIR),
           "the state: state.json, state.journal, instance-id, lock",
-          "The state directory (mode 0700): snapshot `state.json` and journal `state.journal` (mode 0600), its lock `claimd.lock`, `instance-id` and, in cluster mode, `lease-clock.json`. Back it up as described in [Operations](operations.md#backing-up-the-state-directory)."),
+          "The state directory (mode 0700): snapshot `state.json` and journal `state.journal` (mode 0600), its lock `claimd.lock`, `instance-id` and, in cluster mode, `lease-clock.json` and `published-settings.json`. Back it up as described in [Operations](operations.md#backing-up-the-state-directory)."),
         f("api_socket", v(super::DEFAULT_API_SOCKET),
           "the local API (mode 0600)",
           "The local gRPC API's unix socket (mode 0600), which the CLI uses (`--socket`, `CLAIMD_SOCKET`)."),

@@ -229,6 +229,17 @@ pub(super) fn write_atomically(
     Ok(len)
 }
 
+/// Writes `bytes` to `path` as a whole, or not at all: a temporary file
+/// beside it (mode 0600), fdatasync, rename, fsync of the directory. For
+/// the small files of the state directory beside the state itself.
+pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    write_atomically(dir, &tmp_path(path), path, |w| w.write_all(bytes)).map(|_| ())
+}
+
 /// Parses state file bytes: the schema version first, then the document.
 pub fn parse_state(path: &Path, bytes: &[u8]) -> Result<StateFile, StateError> {
     #[derive(Deserialize)]

@@ -40,7 +40,7 @@ mod tests;
 pub mod usage;
 
 pub use error::{current_boot_id, StateError};
-pub use files::{load_dir, parse_state, Loaded};
+pub use files::{load_dir, parse_state, write_file_atomically, Loaded};
 pub use model::*;
 pub use store::{StateStore, WriteStats, JOURNAL_MIN_COMPACT};
 
