@@ -2,7 +2,8 @@
 //! driven by the `claimd` binary's client commands against the real test
 //! plugin, with the plugin's call log asserted. `volume create|delete|
 //! expand`, `snapshot create|list|delete` (and `volume snapshot ...`),
-//! topology matching before any claim, and the mount group.
+//! topology matching before any claim, and the mount group. Also what a
+//! mount checks of the plugin's answer: its target is a mount point.
 
 mod agent_support;
 mod common;
@@ -573,4 +574,51 @@ fn expansion_grows_a_mounted_volume_online_and_records_the_capacity() {
         "{:?}",
         w.ops()
     );
+}
+
+// ---- what a mount checks of the plugin's answer -------------------------------
+
+/// A node plugin whose mount stays in its own mount namespace (a plugin
+/// container without `rshared` propagation) answers NodePublishVolume OK
+/// and leaves an empty directory of the node's disk where the workload's
+/// writes would land. The mount fails, naming the cause, and its way up is
+/// undone; the next mount, with a plugin that mounts, works. The test
+/// plugin's `empty` fault answers OK without mounting. Until 2026-12-06
+/// `alloc mount` exited 0 with that directory (found while writing the
+/// getting-started guide with csi-driver-host-path in Podman).
+#[test]
+fn a_publish_answered_ok_without_a_mount_fails_and_is_undone() {
+    let w = World::new(&[]);
+    w.plugin.add_volume("ext-v");
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]))
+        .ok();
+    w.plugin.faults().set(json!([
+        {"method": "NodePublishVolume", "action": "empty", "count": 1}
+    ]));
+    let out = w.mount("a1", "data=v");
+    assert_fails(
+        &out,
+        EXIT_FAILED,
+        &[
+            "NodePublishVolume answered OK but nothing is mounted at",
+            "rshared",
+        ],
+    );
+    let ops = w.ops();
+    assert_eq!(
+        &ops[ops.len() - 3..],
+        &[
+            ok("NodeUnpublishVolume"),
+            ok("NodeUnstageVolume"),
+            ok("ControllerUnpublishVolume")
+        ],
+        "{ops:?}"
+    );
+    assert_eq!(w.agent.state()["claims"], json!([]));
+    assert!(!w.agent.state_allocs().contains_key("a1"));
+    let left = mounts_under(&w.agent.config.mount_root);
+    assert!(left.is_empty(), "{left:?}");
+    let host = host_path(&w.mount("a1", "data=v").ok());
+    assert!(is_mount_point(&host));
 }

@@ -10,7 +10,7 @@ use crate::csi::CsiError;
 use crate::plugins::WaitError;
 use crate::state::StateError;
 use crate::volumes::lock::LockTimeout;
-use crate::volumes::mounted::StillMounted;
+use crate::volumes::mounted::{NotMounted, StillMounted};
 use crate::volumes::SpecError;
 
 /// Why one step of a volume did not go through.
@@ -26,6 +26,8 @@ pub enum StepError {
     /// Another operation of the volume holds its lock.
     Lock(LockTimeout),
     StillMounted(StillMounted),
+    /// NodePublishVolume answered OK, and nothing is mounted at the target.
+    NotMounted(NotMounted),
     CreateDir {
         path: PathBuf,
         source: io::Error,
@@ -60,6 +62,9 @@ impl StepError {
             | StepError::CreateDir { .. }
             | StepError::NoController { .. }
             | StepError::Stopping => true,
+            // The same plugin answers the same way again: a setup to fix.
+            StepError::NotMounted(NotMounted::Missing { .. }) => false,
+            StepError::NotMounted(NotMounted::Unknown { .. }) => true,
             StepError::Gone { .. } | StepError::UnknownVolume { .. } => false,
         }
     }
@@ -77,6 +82,7 @@ impl fmt::Display for StepError {
             StepError::Plugin(e) => e.fmt(f),
             StepError::Lock(e) => e.fmt(f),
             StepError::StillMounted(e) => e.fmt(f),
+            StepError::NotMounted(e) => e.fmt(f),
             StepError::CreateDir { path, .. } => write!(f, "cannot create {}", path.display()),
             StepError::NoController { plugin_id } => {
                 write!(f, "controller plugin {plugin_id} is not available")
@@ -100,6 +106,7 @@ impl std::error::Error for StepError {
             StepError::Plugin(e) => e.source(),
             StepError::Lock(e) => e.source(),
             StepError::StillMounted(e) => e.source(),
+            StepError::NotMounted(e) => e.source(),
             StepError::CreateDir { source, .. } => Some(source),
             StepError::NoController { .. }
             | StepError::Gone { .. }

@@ -236,6 +236,11 @@ pub fn step(
             failpoints::hit("before-node-publish");
             node.client.node_publish_volume(&req)?;
             failpoints::hit("after-node-publish");
+            // The plugin's word is not enough: the workload sees only what
+            // is mounted in this namespace. An error here undoes the way up
+            // (NodeUnpublish first: it was sent).
+            crate::volumes::mounted::ensure_mounted(&rec.target_path)
+                .map_err(StepError::NotMounted)?;
             super::volume_ops::expand_pending_on_node(core, node, &rec);
             if !up.node_side_only {
                 record_published(core, alloc_id, alias, &rec, up)?;

@@ -40,6 +40,55 @@ impl std::error::Error for StillMounted {
     }
 }
 
+/// NodePublishVolume answered OK, yet nothing is mounted at its target in
+/// this agent's mount namespace (or that cannot be checked).
+#[derive(Debug)]
+pub enum NotMounted {
+    Missing { path: PathBuf },
+    Unknown { path: PathBuf, source: io::Error },
+}
+
+impl fmt::Display for NotMounted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotMounted::Missing { path } => write!(
+                f,
+                "NodePublishVolume answered OK but nothing is mounted at {} where claimd and the workload look: the plugin mounted it in another mount namespace (a node plugin in a container needs the mount root bind-mounted with rshared propagation; manual: getting-started.md, \"Mount propagation\")",
+                path.display()
+            ),
+            NotMounted::Unknown { path, .. } => {
+                write!(f, "cannot check that {} is mounted", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for NotMounted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NotMounted::Unknown { source, .. } => Some(source),
+            NotMounted::Missing { .. } => None,
+        }
+    }
+}
+
+/// Ok when something is mounted at `path`, the target NodePublishVolume
+/// said it published to. A plugin whose mount stays in its own namespace
+/// answers OK and leaves an empty directory of the node's disk, where the
+/// workload's writes would land unseen by anything else.
+pub fn ensure_mounted(path: &Path) -> Result<(), NotMounted> {
+    match crate::mounts::is_mount_point(path) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(NotMounted::Missing {
+            path: path.to_path_buf(),
+        }),
+        Err(source) => Err(NotMounted::Unknown {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
 /// Ok when nothing is mounted at `path` after `call` said it was done.
 pub fn ensure_unmounted(path: &Path, call: &'static str) -> Result<(), StillMounted> {
     match crate::mounts::is_mount_point(path) {
