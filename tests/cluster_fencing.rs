@@ -352,3 +352,118 @@ fn a_corrupt_published_settings_file_stops_the_agent_and_is_kept() {
         b"{\"published\": [{\"window_ms\": \"x\"}]}"
     );
 }
+
+/// Rule 11, issue 37 item 4: a call up paused between its lease check and
+/// its send reaches an epoch plugin after the cluster freed the claim and
+/// another node took it; the plugin refuses the stale epoch and nothing of
+/// it is mounted on the paused node. A node-only volume, and b frees
+/// unfenced claims: nothing fences a, so the epoch is all that stands
+/// between two writers. a's NodePublish is held by a failpoint (10 s),
+/// then the whole agent is stopped (SIGSTOP) until b holds the volume, so
+/// the call goes out after the take however slow the cluster is.
+#[test]
+fn a_call_up_sent_after_the_claim_moved_is_refused_by_its_epoch() {
+    const EPOCH_KEY: &str = "claimd.io/epoch";
+    let spec = |name: &str| {
+        node_only(name)
+            .fenced_storage()
+            .plugin_args(&["--epoch-key", EPOCH_KEY])
+            .cluster_field("epoch_plugins", json!([PLUGIN_ID]))
+            .stop_after_disconnect(STOP_AFTER)
+            .csi_call_timeout("2s")
+    };
+    let mut c = Cluster::start(vec![
+        spec("a"),
+        spec("b").cluster_field("free_unfenced_claims", json!(true)),
+    ]);
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let a = c.node_mut("a");
+    a.agent.kill();
+    a.agent.envs.push((
+        "CLAIMD_FAILPOINT".to_string(),
+        "before-node-publish:pause=10000".to_string(),
+    ));
+    a.agent.restart();
+    let (a, b) = (c.node("a"), c.node("b"));
+    a.mount_waiting("p1", "data=v");
+    wait_until(SHOW_TIMEOUT, "a's NodePublish to be held", || {
+        a.agent
+            .log()
+            .contains("failpoint before-node-publish: paused for")
+    });
+    let pid = a.agent.pid().expect("a runs");
+    freeze(pid, "a's agent");
+    assert!(
+        a.calls_of(NP).is_empty(),
+        "a's NodePublish went out before the agent was stopped: {:?}",
+        a.calls_of(NP)
+    );
+    c.wait_gone("a");
+    wait_until(RETRY_TIMEOUT, "the cluster to free p1", || {
+        c.get_json("freed/v/p1").is_some()
+    });
+    b.mount_ok("q1", "data=v");
+    let e2 = c
+        .etcd
+        .client()
+        .get(format!("{PREFIX}/claims/v/q1"))
+        .expect("read etcd")
+        .expect("q1's claim")
+        .create_revision;
+    thaw(pid, "a's agent");
+    wait_until(RETRY_TIMEOUT, "a's held NodePublish", || {
+        !a.calls_of(NP).is_empty()
+    });
+    let np = a.calls_of(NP)[0].clone();
+    // Sent under p1's claim, refused as older than q1's.
+    assert_eq!(np["code"], "FAILED_PRECONDITION", "{np}");
+    let sent: i64 = np["publish_context"][EPOCH_KEY]
+        .as_str()
+        .and_then(|e| e.parse().ok())
+        .unwrap_or_else(|| panic!("an epoch in {np}"));
+    assert!(sent < e2, "a sent epoch {sent}, q1's is {e2}");
+    wait_until(RETRY_TIMEOUT, "a to drop p1", || a.no_allocs());
+    assert!(a.mounts().is_empty(), "{:?}", a.mounts());
+    assert_eq!(c.holders("v"), ["q1"]);
+}
+
+/// The other side of the test above: a restart with a much longer
+/// `csi_call_timeout` than published (U grows by 4 × 18 s: no window is
+/// left by the published settings) while etcd answers. The node waits for
+/// its registration, which publishes its own settings, instead of
+/// releasing every allocation at its first check; p1 stays mounted.
+#[test]
+fn a_restart_with_a_longer_csi_deadline_and_etcd_answering_releases_nothing() {
+    let mut c = Cluster::start(vec![nfs_node("a")
+        .stop_after_disconnect(STOP_AFTER)
+        .csi_call_timeout("2s")]);
+    c.add_volume(&volume_json("v", "ext-v", &["single-node-writer"]));
+    let path = c.node("a").mount_ok("p1", "data=v");
+    let state_dir = c.node("a").agent.config.state_dir.clone();
+    wait_until(SHOW_TIMEOUT, "a's published settings", || {
+        state_dir.join("published-settings.json").exists()
+    });
+    c.node_mut("a").agent.kill();
+    let restarted_at = now_ms();
+    let a = c.node_mut("a");
+    a.agent.config.csi_call_timeout = "20s".to_string();
+    a.agent.config.write(&a.agent.config_path);
+    a.agent.restart();
+    wait_until(SHOW_TIMEOUT, "a's new settings in etcd", || {
+        c.get_json("node-settings/a").expect("a's settings")["csi_call_timeout_ms"] == json!(20_000)
+    });
+    let a = c.node("a");
+    // The registration is what the self-release waited for; its next
+    // checks count by a's own window from a fresh renewal.
+    wait_until(SHOW_TIMEOUT, "a's restore", || {
+        a.volume_status("p1")["phase"] == "published"
+    });
+    let log = a.agent.log();
+    assert!(!log.contains("released while disconnected"), "{log}");
+    assert!(
+        a.calls_of(NUP).iter().all(|c| ts(c) < restarted_at),
+        "{:?}",
+        a.calls_of(NUP)
+    );
+    assert!(is_mount_point(&path));
+}

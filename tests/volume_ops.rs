@@ -622,3 +622,52 @@ fn a_publish_answered_ok_without_a_mount_fails_and_is_undone() {
     let host = host_path(&w.mount("a1", "data=v").ok());
     assert!(is_mount_point(&host));
 }
+
+/// The same for a restore, and for a later mount of a published
+/// allocation: a1's mount vanishes while the agent is down, its restore's
+/// NodePublish is answered OK with nothing mounted (the restore says so,
+/// naming the target), and the next `alloc mount a1` publishes it again
+/// instead of answering with the empty directory. Before, a published
+/// record was answered as it stood, whatever was at its target.
+#[test]
+fn a_published_allocation_whose_target_is_empty_is_published_again() {
+    let mut w = World::new(&[]);
+    w.plugin.add_volume("ext-v");
+    w.agent
+        .register(&volume_json("v", "ext-v", &["single-node-writer"]))
+        .ok();
+    let host = host_path(&w.mount("a1", "data=v").ok());
+    w.agent.kill();
+    let out = std::process::Command::new("umount")
+        .arg(&host)
+        .output()
+        .expect("run umount");
+    assert!(out.status.success(), "umount {host:?}: {out:?}");
+    w.plugin.faults().set(json!([
+        {"method": "NodePublishVolume", "action": "empty", "count": 1}
+    ]));
+    w.agent.restart();
+    wait_until(Duration::from_secs(60), "the restore to fail", || {
+        w.agent.log().contains("restore of allocation a1")
+    });
+    assert!(
+        w.agent
+            .log()
+            .contains("NodePublishVolume answered OK but nothing is mounted at"),
+        "{}",
+        w.agent.log()
+    );
+    assert!(!is_mount_point(&host));
+    let again = host_path(&w.mount("a1", "data=v").ok());
+    assert_eq!(again, host);
+    assert!(
+        is_mount_point(&host),
+        "a1 was answered with an empty directory"
+    );
+    let publishes = w
+        .ops()
+        .into_iter()
+        .filter(|(m, _)| m == "NodePublishVolume")
+        .count();
+    assert_eq!(publishes, 3, "{:?}", w.ops());
+}

@@ -126,6 +126,7 @@ impl DisconnectRule {
             let mut me = SelfRelease {
                 started: Instant::now(),
                 released: false,
+                waited_for_registration: false,
                 parts,
             };
             threads.spawn("self-release", move || {
@@ -197,6 +198,9 @@ struct SelfRelease {
     started: Instant,
     /// This node released its allocations during the current disconnect.
     released: bool,
+    /// The wait for this run's registration, before a release by a window
+    /// that published settings cut short, was done.
+    waited_for_registration: bool,
 }
 
 impl SelfRelease {
@@ -219,6 +223,18 @@ impl SelfRelease {
         }
     }
 
+    /// The window this node goes by now: the one the settings etcd may
+    /// hold allow until this run registered (`Fencing::window`). After a
+    /// reboot nothing of the records is mounted and no call up goes out
+    /// before etcd confirms its claim, so the node's own window counts
+    /// (from this run's start) whatever it published.
+    fn window(&self) -> Option<Duration> {
+        if self.parts.rebooted {
+            return self.parts.window;
+        }
+        self.parts.fencing.window()
+    }
+
     /// How long since the last answered renewal's send: from the lease
     /// clock (this run or the previous one of this boot). Unknown on this
     /// boot (the file missing or unreadable): as long ago as can be, since
@@ -237,16 +253,32 @@ impl SelfRelease {
         if self.parts.fencing.since_last_sent().is_none() && !self.parts.rebooted {
             self.wait_for_registration();
         }
-        let ago = self.since_renewal();
-        // The configured window once this run registered; before, what
-        // the settings etcd may hold allow (`Fencing::window`).
-        let Some(window) = self.parts.fencing.window() else {
+        let mut ago = self.since_renewal();
+        let Some(mut window) = self.window() else {
             self.released = false;
             return;
         };
         if ago < window {
             self.released = false;
             return;
+        }
+        if Some(window) != self.parts.window && !self.waited_for_registration {
+            // Cut short by settings this node published before (a longer
+            // csi_call_timeout can leave no window at all): a restart
+            // after a config change usually finds etcd answering at once,
+            // so its registration, which publishes this node's own
+            // settings, is waited for up to one lease TTL before
+            // everything is released (safety.md, rule 11).
+            self.waited_for_registration = true;
+            self.wait_for_registration();
+            ago = self.since_renewal();
+            match self.window() {
+                Some(w) if ago >= w => window = w,
+                _ => {
+                    self.released = false;
+                    return;
+                }
+            }
         }
         if self.released {
             return;

@@ -475,8 +475,23 @@ fn mount_volume_steps(
         why: format!("no longer records volume {alias}"),
     };
     let rec = core.record(alloc_id, alias).ok_or_else(gone)?;
+    let mut redo = redo;
     if rec.phase == Phase::Published && redo == Redo::Unfinished {
-        return Ok(());
+        // Published and still there: nothing to do. Published, and nothing
+        // at the target (unmounted by hand, or a restore whose NodePublish
+        // landed in another mount namespace): the node side again, so a
+        // mount is never answered with an empty directory.
+        let block = rec.usage.attachment.is_block();
+        match crate::volumes::mounted::ensure_mounted(&rec.target_path, block) {
+            Err(crate::volumes::mounted::NotMounted::Missing { .. }) => {
+                log::info!(
+                    "allocation {alloc_id}: volume {alias} is recorded as published but nothing is mounted at {}: publishing it again",
+                    rec.target_path.display()
+                );
+                redo = Redo::NodeSide;
+            }
+            Ok(()) | Err(crate::volumes::mounted::NotMounted::Unknown { .. }) => return Ok(()),
+        }
     }
     // The node plugin must be ready before anything else.
     let say = |m: Option<String>| core.progress.set_message(alloc_id, alias, m);

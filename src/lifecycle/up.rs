@@ -239,8 +239,11 @@ pub fn step(
             // The plugin's word is not enough: the workload sees only what
             // is mounted in this namespace. An error here undoes the way up
             // (NodeUnpublish first: it was sent).
-            crate::volumes::mounted::ensure_mounted(&rec.target_path)
-                .map_err(StepError::NotMounted)?;
+            crate::volumes::mounted::ensure_mounted(
+                &rec.target_path,
+                rec.usage.attachment.is_block(),
+            )
+            .map_err(StepError::NotMounted)?;
             super::volume_ops::expand_pending_on_node(core, node, &rec);
             if !up.node_side_only {
                 record_published(core, alloc_id, alias, &rec, up)?;

@@ -73,12 +73,21 @@ impl std::error::Error for NotMounted {
 }
 
 /// Ok when something is mounted at `path`, the target NodePublishVolume
-/// said it published to. A plugin whose mount stays in its own namespace
-/// answers OK and leaves an empty directory of the node's disk, where the
-/// workload's writes would land unseen by anything else.
-pub fn ensure_mounted(path: &Path) -> Result<(), NotMounted> {
+/// said it published to (for a block volume, a block device node there
+/// counts too: the spec has the plugin "place the block device at
+/// target_path", which some plugins do with mknod). A plugin whose mount
+/// stays in its own namespace answers OK and leaves an empty directory of
+/// the node's disk, where the workload's writes would land unseen by
+/// anything else.
+pub fn ensure_mounted(path: &Path, block: bool) -> Result<(), NotMounted> {
+    use std::os::unix::fs::FileTypeExt;
     match crate::mounts::is_mount_point(path) {
         Ok(true) => Ok(()),
+        Ok(false)
+            if block && std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device()) =>
+        {
+            Ok(())
+        }
         Ok(false) => Err(NotMounted::Missing {
             path: path.to_path_buf(),
         }),
@@ -101,5 +110,40 @@ pub fn ensure_unmounted(path: &Path, call: &'static str) -> Result<(), StillMoun
             path: path.to_path_buf(),
             source,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty directory is no publish; a block device node placed at a
+    /// block volume's target is (the spec lets a plugin mknod it), a file
+    /// system volume's is not.
+    #[test]
+    fn a_target_counts_as_published_when_mounted_or_a_block_device_node() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).expect("mkdir");
+        assert!(matches!(
+            ensure_mounted(&empty, false),
+            Err(NotMounted::Missing { .. })
+        ));
+        assert!(matches!(
+            ensure_mounted(&empty, true),
+            Err(NotMounted::Missing { .. })
+        ));
+        let node = dir.path().join("dev");
+        let c = std::ffi::CString::new(node.to_str().expect("UTF-8")).expect("no NUL");
+        // SAFETY: mknod(2) of a NUL-terminated path (loop0's numbers); no
+        // device is opened.
+        let r = unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, libc::makedev(7, 0)) };
+        // The suite runs as root (real mounts): mknod is allowed.
+        assert_eq!(r, 0, "mknod: {}", io::Error::last_os_error());
+        assert!(ensure_mounted(&node, true).is_ok());
+        assert!(matches!(
+            ensure_mounted(&node, false),
+            Err(NotMounted::Missing { .. })
+        ));
     }
 }

@@ -110,6 +110,10 @@ pub enum AttachmentMode {
 }
 
 impl AttachmentMode {
+    pub fn is_block(self) -> bool {
+        self == AttachmentMode::BlockDevice
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             AttachmentMode::FileSystem => "file-system",
