@@ -23,7 +23,9 @@
 //! enough to be counted gone, healed for about a TTL, cut again), the
 //! node's liveness key deleted by hand, or a link cut longer than TTL + W
 //! (the other nodes' reapers fence and free; the older faults all heal
-//! before that). Then everything is healed, the
+//! before that); from a fourth, a crash between two writes, a pause after
+//! the lease check, a node lost and freed by hand; from a fifth, a flap
+//! during another node's reap. Then everything is healed, the
 //! run settles, and the checker (`nemesis_support/checker.rs`, check (5)
 //! in `evidence.rs`, check (6), no fence before a node's W, in
 //! `fences.rs`) lists violations. With a controller host (one or two, chosen by the seed),
@@ -41,6 +43,7 @@
 //!                    (else the seed chooses, half)
 //!   NEMESIS_FREE_UNFENCED  `on`/`off`: force `free_unfenced_claims` in a
 //!                    run with the window (else the seed chooses, half)
+//!   NEMESIS_FLAP_DURING_REAP  `on`: a flap during a reap after every round
 //!   NEMESIS_OUT      keep the run's records here (default: a directory
 //!                    under /tmp, printed; removed after a clean run unless
 //!                    NEMESIS_KEEP=1)
@@ -564,6 +567,7 @@ fn nemesis() {
             extra: rng.fork(2),
             newer: rng.fork(3),
             latest: rng.fork(4),
+            reaps: rng.fork(5),
         };
         thread::Builder::new()
             .name("faults".into())

@@ -49,6 +49,10 @@ const NEWER_KINDS: [Kind; 3] = [Kind::LinkFlap, Kind::LivenessDeleted, Kind::Lon
 /// stream (seeds keep their earlier rounds).
 const LATEST_PERCENT: u64 = 30;
 const LATEST_KINDS: [Kind; 3] = [Kind::StepCrash, Kind::StepPause, Kind::NodeLost];
+/// The chance (percent) that a round is followed by a `FlapDuringReap`,
+/// from a fifth stream (seeds keep their earlier draws);
+/// `NEMESIS_FLAP_DURING_REAP=on` follows every round with one.
+const REAP_FLAP_PERCENT: u64 = 15;
 /// Failpoints between two writes of a multi-step change (etcd then the
 /// local record, the intent then the calls, a call then its record, the
 /// release's mark, the free, the closing write): a `StepCrash` kills the
@@ -115,6 +119,13 @@ pub enum Kind {
     /// claims (`claim free`, or `volume detach --node` where it holds an
     /// attachment) through another node; then it comes back.
     NodeLost,
+    /// A link flap during another node's reap (issue 37, item 1): node C
+    /// cut past TTL + W, node A (after C by name, so a reaper's loop
+    /// reaches it after C) cut 1 s later, healed once a reaper holds C's
+    /// lock, cut again as soon as it registered again, healed 8 s after
+    /// C. A reaper that counts A's first absence (interrupted by the
+    /// registration) acts on A early: check (6).
+    FlapDuringReap,
 }
 
 impl Kind {
@@ -135,6 +146,7 @@ impl Kind {
             Kind::StepCrash => "crash-between-writes",
             Kind::StepPause => "pause-after-lease-check",
             Kind::NodeLost => "node-lost-freed-by-hand",
+            Kind::FlapDuringReap => "flap-during-reap",
         }
     }
 
@@ -211,6 +223,12 @@ enum Action {
     OperatorFree(usize, u64),
     /// The lost node back: its agent started.
     NodeUp(usize),
+    /// Waits (up to the ms) for `reaper-locks/<second>` to exist, then
+    /// heals the first node's link.
+    HealWhenReaped(usize, usize, u64),
+    /// Waits (up to the ms) for the node's liveness key to exist, then
+    /// cuts its link (both ways).
+    CutWhenBack(usize, u64),
 }
 
 impl Action {
@@ -239,6 +257,8 @@ impl Action {
             Action::NodeDown(_) => "node-down",
             Action::OperatorFree(..) => "operator-free",
             Action::NodeUp(_) => "node-up",
+            Action::HealWhenReaped(..) => "heal-when-reaped",
+            Action::CutWhenBack(..) => "cut-when-back",
         }
     }
 }
@@ -490,6 +510,24 @@ fn build(d: Draw, plan: &Plan, nodes: &[Node], start_ms: u64) -> Option<Fault> {
                 (2 + back, Action::NodeUp(d.node)),
             ]
         }
+        Kind::FlapDuringReap => {
+            // C before A by name: a reaper's loop reaches A after C's reap.
+            let (c, a) = [(0, 1), (0, 2), (1, 2)][d.node % 3];
+            let held = plan.reap_ms + 15_000;
+            ev["node"] = json!(nodes[c].name);
+            ev["flapped"] = json!(nodes[a].name);
+            ev["held_ms"] = json!(held);
+            vec![
+                (0, Action::CutLink(c, Cut::Both)),
+                (1000, Action::CutLink(a, Cut::Both)),
+                (1001, Action::HealWhenReaped(a, c, plan.reap_ms + 10_000)),
+                (1002, Action::CutWhenBack(a, 10_000)),
+                (held, Action::HealLink(c)),
+                // A stays cut past C's heal (a reap of C that waits for C
+                // as controller host ends only then).
+                (held + 8000, Action::HealLink(a)),
+            ]
+        }
         Kind::PluginRestart => {
             let down = pick(0, 1500, d.d1);
             ev["node"] = json!(node);
@@ -556,6 +594,7 @@ pub struct Streams {
     pub extra: Rng,
     pub newer: Rng,
     pub latest: Rng,
+    pub reaps: Rng,
 }
 
 /// Injects faults until `deadline`; every fault is undone before the next
@@ -573,8 +612,10 @@ pub fn run(
         mut extra,
         mut newer,
         mut latest,
+        mut reaps,
     } = streams;
     let mut round = 0u64;
+    let every_reap_flap = std::env::var("NEMESIS_FLAP_DURING_REAP").is_ok_and(|v| v == "on");
     loop {
         // The first stream, as it was drawn before overlaps existed.
         let gap = rng.range(300, 2500);
@@ -597,6 +638,9 @@ pub fn run(
         let latest_kind = *latest.pick(&LATEST_KINDS);
         let (latest_node, latest_gap) = (latest.index(nodes.len()), latest.range(300, 2500));
         let (h1, h2) = (latest.next_u64(), latest.next_u64());
+        // The fifth stream: a flap during another node's reap.
+        let then_reap_flap = reaps.chance(REAP_FLAP_PERCENT) || every_reap_flap;
+        let (reap_node, reap_gap) = (reaps.index(nodes.len()), reaps.range(300, 2500));
         hold(gap);
         revive_crashed(shared, nodes);
         if Instant::now() >= deadline {
@@ -661,6 +705,14 @@ pub fn run(
         let later = [
             (then_newer, newer_kind, newer_node, newer_gap, g1, g2),
             (then_latest, latest_kind, latest_node, latest_gap, h1, h2),
+            (
+                then_reap_flap,
+                Kind::FlapDuringReap,
+                reap_node,
+                reap_gap,
+                0,
+                0,
+            ),
         ];
         for (then, kind, node, gap, d1, d2) in later {
             if !then {
@@ -934,6 +986,44 @@ fn step(
             nodes[ni].plugin.restart();
             nodes[ni].agent.spawn();
             starting.push((fi, ni, Instant::now()));
+        }
+        Action::HealWhenReaped(ni, reaped, wait_ms) => {
+            let key = format!(
+                "{}/reaper-locks/{}",
+                super::nodes::PREFIX,
+                nodes[reaped].name
+            );
+            let client = etcd.client();
+            let until = Instant::now() + Duration::from_millis(wait_ms);
+            let locked = loop {
+                if matches!(client.get(&key), Ok(Some(_))) {
+                    break true;
+                }
+                if Instant::now() > until {
+                    break false;
+                }
+                thread::sleep(Duration::from_millis(20));
+            };
+            f.ev["reaper_lock_seen"] = json!(locked);
+            f.ev["healed_t_ms"] = json!(shared.since_ms());
+            nodes[ni].link.heal();
+        }
+        Action::CutWhenBack(ni, wait_ms) => {
+            let key = format!("{}/nodes/{}", super::nodes::PREFIX, nodes[ni].name);
+            let client = etcd.client();
+            let until = Instant::now() + Duration::from_millis(wait_ms);
+            let back = loop {
+                if matches!(client.get(&key), Ok(Some(_))) {
+                    break true;
+                }
+                if Instant::now() > until {
+                    break false;
+                }
+                thread::sleep(Duration::from_millis(20));
+            };
+            f.ev["registered_again"] = json!(back);
+            f.ev["cut_again_t_ms"] = json!(shared.since_ms());
+            nodes[ni].link.cut(Cut::Both);
         }
         Action::DeleteLiveness(ni) => {
             let key = format!("{}/nodes/{}", super::nodes::PREFIX, nodes[ni].name);
