@@ -475,9 +475,8 @@ impl Agent {
 /// Gives back to the kernel the heap the start freed: reading the state
 /// (the snapshot's text, the journal's lines) and the mount table (1.5 MB of
 /// text with 10,000 mounts) peaks well above what the agent keeps, and glibc
-/// holds freed memory for reuse unless asked. With 10,000 allocations on
-/// record the idle RSS after a restart went from 74.3 to 61.0 MiB with it
-/// (claimd-bench, restart part).
+/// holds freed memory for reuse unless asked (the figure: the manual's
+/// performance.md, "RSS with 10,000").
 fn release_start_heap() {
     crate::heap::give_back();
 }

@@ -10,9 +10,13 @@
 //! operation lock.
 //!
 //! Files: `mount`, `release`, `restore` (each reads top-down like the steps
-//! it does), `core` (what they share), `progress` (in-memory progress),
-//! `references` (the count of a front end's mounts of an allocation),
-//! `status` (what `alloc status` shows), `error`.
+//! it does); `up` and `down` (the calls up and down of one volume), `plan`
+//! (which calls a volume's mount needs), `placement` (topology and mount
+//! group, before a claim); `core` (what they share), `progress`
+//! (in-memory progress), `references` (the count of a front end's mounts
+//! of an allocation), `status` (what `alloc status` shows), `error`;
+//! `volume_ops`, `controller_ops` and `snapshots` (volume operations
+//! through the controller plugin, here or on a controller host).
 
 mod controller_ops;
 mod core;

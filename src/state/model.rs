@@ -224,9 +224,9 @@ pub use super::shared_map::SharedMap;
 /// at a staging path: derived from the records, never written (the
 /// questions that use it and why it can be trusted: `index`). Keyed by
 /// hashes and holding the records' own pointers, so an entry is 24 bytes
-/// and nothing of its own on the heap: with 10,000 allocations, two maps
-/// keyed by the strings themselves measured 70.4 MiB of RSS against 62.7
-/// without an index (claimd-bench, restart part; runs vary by about 3 MiB).
+/// and nothing of its own on the heap (maps keyed by the strings cost
+/// several MiB at 10,000 allocations: the manual's performance.md, "RSS
+/// with 10,000").
 #[derive(Clone, Default)]
 pub struct RecordIndex {
     /// The allocation map this describes; None: none yet.

@@ -1,7 +1,9 @@
-//! The client commands, `volume`, `alloc` and `plugin`: each verb talks to a
-//! running agent over its API socket and prints a table, or JSON with
-//! `--json`. Every noun and verb is a row of a table here, so dispatch,
-//! `--help` and the error for an unknown verb come from the same place.
+//! The client commands (`volume`, `alloc`, `claim`, `plugin`, `snapshot`,
+//! and the single verbs of `observe`: `metrics`, `health`): each verb
+//! talks to a running agent over its API socket and prints a table, or
+//! JSON with `--json`. Every noun and verb is a row of a table here, so
+//! dispatch, `--help` and the error for an unknown verb come from the same
+//! place; each noun's verbs live in the file of that name.
 
 use std::io::Read;
 use std::os::unix::net::UnixStream;
