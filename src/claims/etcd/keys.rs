@@ -23,8 +23,6 @@
 //! | `P/controller-call-locks/ID` | the host working on it | on the host's lease |
 //! | `P/reaper-locks/NODE` | the agent acting on a gone node | on that agent's lease |
 
-use crate::etcd::KeyValue;
-
 /// The schema of the keys above: written to `P/schema` by the first agent
 /// of a cluster, checked by every agent at start (`claims::etcd::schema`).
 pub const SCHEMA_VERSION: u64 = 1;
@@ -219,11 +217,6 @@ impl Keys {
     /// One range holding `controller-calls/` and `controller-call-locks/`.
     pub fn controller_call_range(&self) -> String {
         self.at(format_args!("controller-call"))
-    }
-
-    /// The key's text, for messages (a key that is not UTF-8 shown lossily).
-    pub fn show(kv: &KeyValue) -> String {
-        String::from_utf8_lossy(&kv.key).into_owned()
     }
 }
 
