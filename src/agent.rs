@@ -232,6 +232,7 @@ impl Agent {
                         let (claims, node) = (etcd_claims.clone(), config.node_name.clone());
                         crate::cluster::RegistrationHooks {
                             before_register: Box::new(move || {
+                                claims.check_schema()?;
                                 claims
                                     .forget_index_if_an_older_claimd_ran(&node)
                                     .map_err(|e| crate::error_chain(&e))

@@ -418,3 +418,40 @@ fn one_storage_volume_has_one_name_in_the_cluster() {
     assert!(c.holders("db2").is_empty(), "{:?}", c.holders("db2"));
     assert_eq!(c.holders("db"), ["p1"]);
 }
+
+/// Issue 40: the key schema has a version in etcd. The first agent writes
+/// `P/schema`; an agent that finds a newer one does not register (it
+/// counts as cut off), names both versions, and leaves the key as it is;
+/// once the key says its own schema again, it registers.
+#[test]
+fn an_agent_meeting_a_newer_key_schema_does_not_register() {
+    let mut c = Cluster::start(vec![nfs_node("a")]);
+    assert_eq!(
+        c.get_json("schema"),
+        Some(serde_json::json!({"version": 1}))
+    );
+    c.node_mut("a").agent.kill();
+    let key = format!("{PREFIX}/schema");
+    c.etcd
+        .client()
+        .put(key.as_str(), br#"{"version": 2}"#.to_vec())
+        .expect("write the schema");
+    c.wait_gone("a");
+    c.node_mut("a").start_agent();
+    let a = c.node("a");
+    wait_until(SHOW_TIMEOUT, "a to refuse the newer schema", || {
+        a.agent
+            .log()
+            .contains("etcd holds key schema 2 (/claimd/schema), newer than this claimd's 1")
+    });
+    assert!(c.get_json("nodes/a").is_none(), "a registered");
+    assert_eq!(
+        c.get_json("schema"),
+        Some(serde_json::json!({"version": 2}))
+    );
+    c.etcd
+        .client()
+        .put(key.as_str(), br#"{"version": 1}"#.to_vec())
+        .expect("write the schema");
+    c.wait_alive("a");
+}

@@ -363,6 +363,8 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
             format!("{PREFIX}/node-claims/a/v/a1"),
             format!("{PREFIX}/node-settings/a"),
             format!("{PREFIX}/nodes/a"),
+            // The key schema's version, written by the first agent.
+            format!("{PREFIX}/schema"),
             // The storage index: "ext-v" in hex names volume v.
             format!("{PREFIX}/storage/testplug/6578742d76"),
             format!("{PREFIX}/volumes/v"),
@@ -378,6 +380,7 @@ fn mounts_and_releases_over_tls_with_a_client_certificate() {
             format!("{PREFIX}/claim-index/a"),
             format!("{PREFIX}/node-settings/a"),
             format!("{PREFIX}/nodes/a"),
+            format!("{PREFIX}/schema"),
             format!("{PREFIX}/storage/testplug/6578742d76"),
             format!("{PREFIX}/volumes/v")
         ]

@@ -34,35 +34,32 @@ const RESULT_POLL_MAX: Duration = Duration::from_millis(500);
 
 impl EtcdClaims {
     pub fn attachments_prefix(&self) -> String {
-        format!("{}/attachments/", self.prefix())
+        self.keys().attachments()
     }
 
     pub fn attachment_key(&self, volume_id: &str, node: &str) -> String {
-        format!("{}/attachments/{volume_id}/{node}", self.prefix())
+        self.keys().attachment(volume_id, node)
     }
 
     pub fn attachment_lock_key(&self, volume_id: &str, node: &str) -> String {
-        format!("{}/attachment-locks/{volume_id}/{node}", self.prefix())
+        self.keys().attachment_lock(volume_id, node)
     }
 
     pub fn controller_host_key(&self, plugin_id: &str, node: &str) -> String {
-        format!("{}/plugins/{plugin_id}/controllers/{node}", self.prefix())
+        self.keys().controller_host(plugin_id, node)
     }
 
     /// The nodes whose liveness key exists.
     pub fn alive_nodes(&self) -> Result<std::collections::HashSet<String>, ClaimError> {
         Ok(self
             .client()
-            .range_prefix(format!("{}/nodes/", self.prefix()))
+            .range_prefix(self.keys().nodes())
             .map_err(unavailable)?
             .kvs
             .iter()
-            .map(|kv| {
-                kv.key_str()
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or_default()
-                    .to_string()
+            .filter_map(|kv| match self.keys().parse_node(&kv.key_str()) {
+                Some(super::etcd::keys::NodeKey::Liveness(n)) => Some(n),
+                _ => None,
             })
             .collect())
     }
@@ -71,11 +68,11 @@ impl EtcdClaims {
     pub fn controller_hosts(&self) -> Result<Vec<ControllerHostRecord>, ClaimError> {
         let r = self
             .client()
-            .range_prefix(format!("{}/plugins/", self.prefix()))
+            .range_prefix(self.keys().plugins())
             .map_err(unavailable)?;
         Ok(r.kvs
             .iter()
-            .filter(|kv| kv.key_str().contains("/controllers/"))
+            .filter(|kv| self.keys().parse_controller_host(&kv.key_str()).is_some())
             .filter_map(|kv| match parse_host(kv) {
                 Ok(h) => Some(h),
                 Err(e) => {
@@ -423,7 +420,7 @@ impl RemoteControllers for EtcdClaims {
         drop(old);
         if need_watch {
             // Made outside the cache's lock (a round trip).
-            let prefix = format!("{}/plugins/", self.prefix());
+            let prefix = self.keys().plugins();
             let w = self
                 .client()
                 .watch(
@@ -441,10 +438,7 @@ impl RemoteControllers for EtcdClaims {
         let generation = self.controllers.lock().generation;
         let r = self
             .client()
-            .range_prefix(format!(
-                "{}/plugins/{plugin_id}/controllers/",
-                self.prefix()
-            ))
+            .range_prefix(self.keys().controller_hosts(plugin_id))
             .map_err(unavailable)?;
         let mut found = None;
         for kv in &r.kvs {
@@ -564,9 +558,9 @@ impl EtcdClaims {
                 .and_then(|j| j["csi_call_timeout_ms"].as_u64())
                 .map_or(Duration::ZERO, Duration::from_millis)
         };
-        let hosts = format!("{}/plugins/{plugin_id}/controllers/", self.prefix());
+        let hosts = self.keys().controller_hosts(plugin_id);
         let r = self.client.range_prefix(&hosts).map_err(unavailable)?;
-        let settings = super::etcd::settings_key(self.prefix(), node);
+        let settings = self.keys().settings(node);
         let own_node = self.client.get(&settings).map_err(unavailable)?;
         let published = r
             .kvs
@@ -605,7 +599,7 @@ impl EtcdClaims {
         let store = |e| AttachError::Store(unavailable(e));
         let r = self
             .client()
-            .range_prefix(format!("{}/claims/{volume_id}/", self.prefix()))
+            .range_prefix(self.keys().claims_of(volume_id))
             .map_err(store)?;
         let mut mine = Vec::new();
         for kv in &r.kvs {
@@ -673,12 +667,12 @@ impl EtcdClaims {
         // that comes back keeps its volumes and claims.
         let gone = match rule {
             super::fencing::FreeRule::Cluster { registered_at, .. } => {
-                super::etcd::still_gone(self.prefix(), node, registered_at)
+                super::etcd::still_gone(self.keys(), node, registered_at)
             }
             // The operator's word: the node is gone for good, whatever
             // registered before; one that is back now is left alone.
             super::fencing::FreeRule::Operator => {
-                vec![Compare::absent(super::etcd::node_key(self.prefix(), node))]
+                vec![Compare::absent(self.keys().node(node))]
             }
         };
         let mut out = NodeDetach::default();
@@ -718,12 +712,9 @@ impl EtcdClaims {
             let note = serde_json::json!({
                 "claim": stored.claim, "reason": reason, "freed_by_node": by, "at_ms": now_ms(),
             });
-            let note_key = format!(
-                "{}/freed/{}/{}",
-                self.prefix(),
-                stored.claim.volume_id,
-                stored.claim.alloc_id
-            );
+            let note_key = self
+                .keys()
+                .freed(&stored.claim.volume_id, &stored.claim.alloc_id);
             let t = self
                 .client()
                 .txn(

@@ -99,14 +99,14 @@ pub fn from_hex(text: &str) -> Option<Vec<u8>> {
 
 impl EtcdClaims {
     pub fn controller_calls_prefix(&self) -> String {
-        format!("{}/controller-calls/", self.prefix())
+        self.keys().controller_calls()
     }
 
     pub fn controller_call_lock_key(&self, call_key: &str) -> String {
         let id = call_key
             .strip_prefix(&self.controller_calls_prefix())
             .unwrap_or(call_key);
-        format!("{}/controller-call-locks/{id}", self.prefix())
+        self.keys().controller_call_lock(id)
     }
 }
 

@@ -30,12 +30,15 @@ use parking_lot::Mutex;
 
 mod changes;
 mod index;
+pub mod keys;
 mod nodes;
 mod registrations;
+mod schema;
 
 pub(crate) use registrations::parse_spec;
 
 pub use index::NodeClaims;
+pub use keys::Keys;
 
 use serde::{Deserialize, Serialize};
 
@@ -56,26 +59,15 @@ pub(super) const CONFLICT_ATTEMPTS: usize = 32;
 pub const DEFAULT_FREED_NOTE_RETENTION: std::time::Duration =
     std::time::Duration::from_secs(7 * 86_400);
 
-/// The key of a node's liveness record (on the node's lease).
-pub fn node_key(prefix: &str, node: &str) -> String {
-    format!("{}/nodes/{node}", prefix.trim_end_matches('/'))
-}
-
-/// `<prefix>/node-settings/<node>`: the node's settings, written again by
-/// every registration of its liveness (in the same `Txn`).
-pub fn settings_key(prefix: &str, node: &str) -> String {
-    format!("{}/node-settings/{node}", prefix.trim_end_matches('/'))
-}
-
 /// What every write acting on a gone node compares: its liveness key is
 /// absent, and it has not registered since its settings' mod revision was
 /// `registered_at` (the absence the writer counted is the one still
 /// going on).
-pub fn still_gone(prefix: &str, node: &str, registered_at: i64) -> Vec<crate::etcd::Compare> {
+pub fn still_gone(keys: &Keys, node: &str, registered_at: i64) -> Vec<crate::etcd::Compare> {
     use crate::etcd::{Compare, CompareOp};
     vec![
-        Compare::absent(node_key(prefix, node)),
-        Compare::mod_revision(settings_key(prefix, node), CompareOp::Equal, registered_at),
+        Compare::absent(keys.node(node)),
+        Compare::mod_revision(keys.settings(node), CompareOp::Equal, registered_at),
     ]
 }
 
@@ -194,8 +186,8 @@ impl Drop for InFlight<'_> {
 /// Claims in etcd, shared by the cluster.
 pub struct EtcdClaims {
     pub(super) client: EtcdClient,
-    /// Without a trailing slash, e.g. `/claimd`.
-    pub(super) prefix: String,
+    /// Every key under `cluster.prefix`.
+    pub(super) keys: Keys,
     pub(super) state: Arc<StateStore>,
     /// This node's claims as it last wrote them, with their mod revision:
     /// a later change of one is a single `Txn` comparing that revision
@@ -242,7 +234,7 @@ impl EtcdClaims {
     pub fn new(client: EtcdClient, prefix: &str, state: Arc<StateStore>) -> EtcdClaims {
         EtcdClaims {
             client,
-            prefix: prefix.trim_end_matches('/').to_string(),
+            keys: Keys::new(prefix),
             state,
             known: Arc::new(Mutex::new(HashMap::new())),
             controllers: Default::default(),
@@ -340,7 +332,11 @@ impl EtcdClaims {
 
     /// Without a trailing slash.
     pub fn prefix(&self) -> &str {
-        &self.prefix
+        self.keys.prefix()
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
     }
 
     pub fn client(&self) -> &EtcdClient {
@@ -349,24 +345,24 @@ impl EtcdClaims {
 
     /// Whether `node`'s liveness key exists.
     pub fn node_is_alive(&self, node: &str) -> Result<bool, ClaimError> {
-        let key = node_key(&self.prefix, node);
+        let key = self.keys.node(node);
         Ok(self.client.get(key).map_err(unavailable)?.is_some())
     }
 
     pub(super) fn all_prefix(&self) -> String {
-        format!("{}/claims/", self.prefix)
+        self.keys.claims()
     }
 
     fn volume_prefix(&self, volume_id: &str) -> String {
-        format!("{}/claims/{volume_id}/", self.prefix)
+        self.keys.claims_of(volume_id)
     }
 
     pub(crate) fn volume_key(&self, volume_id: &str) -> String {
-        format!("{}/volumes/{volume_id}", self.prefix)
+        self.keys.volume(volume_id)
     }
 
     fn key(&self, volume_id: &str, alloc_id: &str) -> String {
-        format!("{}/claims/{volume_id}/{alloc_id}", self.prefix)
+        self.keys.claim(volume_id, alloc_id)
     }
 
     /// Every claim with its stored form, oldest first by key.
@@ -483,7 +479,7 @@ impl EtcdClaims {
     fn clone_handle(&self) -> EtcdClaims {
         EtcdClaims {
             client: self.client.clone(),
-            prefix: self.prefix.clone(),
+            keys: self.keys.clone(),
             state: self.state.clone(),
             known: self.known.clone(),
             controllers: self.controllers.clone(),

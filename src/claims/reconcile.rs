@@ -121,8 +121,7 @@ impl EtcdClaims {
                 Ok(_) => None,
                 Err(_) => {
                     let key = kv.key_str();
-                    let rest = key.strip_prefix(&self.all_prefix())?;
-                    let (v, a) = rest.split_once('/')?;
+                    let (v, a) = self.keys.parse_claim(&key)?;
                     Some((v.to_string(), a.to_string()))
                 }
             })
@@ -135,7 +134,7 @@ impl EtcdClaims {
             }
             let note = self
                 .client
-                .get(format!("{}/freed/{volume_id}/{alloc_id}", self.prefix))
+                .get(self.keys.freed(&volume_id, &alloc_id))
                 .map_err(unavailable)?;
             let why = note
                 .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())

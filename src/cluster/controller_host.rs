@@ -155,10 +155,10 @@ impl Host {
                 // Requests and their locks (`attachment…`), forwarded calls
                 // and theirs (`controller-call…`), from now: the scan
                 // below reads what is there.
-                watchers = ["attachment", "controller-call"]
+                let keys = self.claims.keys();
+                watchers = [keys.attachment_range(), keys.controller_call_range()]
                     .iter()
-                    .filter_map(|p| {
-                        let prefix = format!("{}/{p}", self.claims.prefix());
+                    .filter_map(|prefix| {
                         self.claims
                             .client()
                             .watch(prefix.as_bytes(), prefix_end(prefix.as_bytes()), 0)
@@ -258,9 +258,8 @@ impl Host {
     /// request changing at that revision (a host's lease ended, or a
     /// worker let go without answering).
     fn events_need_scan(&self, events: &[WatchEvent]) -> bool {
-        let prefix = self.claims.prefix();
-        let requests = format!("{prefix}/attachments/");
-        let locks = format!("{prefix}/attachment-locks/");
+        let requests = self.claims.keys().attachments();
+        let locks = self.claims.keys().attachment_locks();
         let changed: HashSet<(String, i64)> = events
             .iter()
             .filter_map(|ev| match ev {

@@ -38,6 +38,7 @@ use parking_lot::Mutex;
 
 use super::liveness::NodeLiveness;
 use super::view::{NodeSettings, NodeView, NodesSnapshot};
+use crate::claims::etcd::keys::NodeKey;
 use crate::claims::etcd::unavailable;
 use crate::claims::fencing::{Fencing, FreeRule};
 use crate::claims::margins::{self, ReleaseBounds};
@@ -74,7 +75,7 @@ pub fn settings_entry(
         csi_call_timeout_ms: Some(csi_call.as_millis() as u64),
     };
     (
-        crate::claims::etcd::settings_key(prefix, node),
+        crate::claims::etcd::Keys::new(prefix).settings(node),
         serde_json::to_vec(&value).expect("settings always encode"),
     )
 }
@@ -162,7 +163,7 @@ impl DisconnectRule {
         };
         let view = NodeView::start(
             parts.claims.client().clone(),
-            parts.claims.prefix(),
+            parts.claims.keys().clone(),
             (parts.node.clone(), Box::new(own_gone)),
             parts.shutdown.clone(),
             threads,
@@ -381,12 +382,13 @@ impl Reaper {
         let claims = &self.parts.claims;
         let settings = claims
             .client()
-            .range_prefix(format!("{}/node-settings/", claims.prefix()))
+            .range_prefix(claims.keys().settings_all())
             .map_err(unavailable)?;
         let mut out = NodesSnapshot::default();
         for kv in &settings.kvs {
-            let key = kv.key_str();
-            out.set_settings(key.rsplit('/').next().unwrap_or_default(), kv);
+            if let Some(NodeKey::Settings(node)) = claims.keys().parse_node(&kv.key_str()) {
+                out.set_settings(&node, kv);
+            }
         }
         out.alive = claims.alive_nodes()?;
         Ok(out)
@@ -483,7 +485,7 @@ impl Reaper {
         lease: LeaseId,
     ) -> Result<bool, ClaimError> {
         let client = self.parts.claims.client();
-        let gone = crate::claims::etcd::still_gone(self.parts.claims.prefix(), node, registered_at);
+        let gone = crate::claims::etcd::still_gone(self.parts.claims.keys(), node, registered_at);
         let took = client.txn(
             &[&[Compare::absent(lock)], &gone[..]].concat(),
             &[TxnOp::put_with_lease(lock, me, lease)],
@@ -528,7 +530,7 @@ impl Reaper {
             return Ok(true);
         }
         let gone_for = absence.since.elapsed();
-        let lock = format!("{}/reaper-locks/{node}", claims.prefix());
+        let lock = claims.keys().reaper_lock(node);
         let me =
             serde_json::json!({"host": self.parts.node, "lease": lease.to_string()}).to_string();
         if !self.lock(node, absence.registered_at, &lock, &me, lease)? {

@@ -51,12 +51,7 @@ pub(super) struct Work {
 /// The key of the claim an attach request is for, when it names one.
 pub(super) fn claim_key(claims: &EtcdClaims, rec: &AttachmentRecord) -> Option<String> {
     (rec.epoch != 0 && !rec.alloc_id.is_empty()).then(|| {
-        format!(
-            "{}/claims/{}/{}",
-            claims.prefix(),
-            rec.volume_id,
-            rec.alloc_id
-        )
+        claims.keys().claim(&rec.volume_id, &rec.alloc_id)
     })
 }
 
@@ -217,11 +212,7 @@ impl Work {
         let claims = self
             .claims
             .client()
-            .range_prefix(format!(
-                "{}/claims/{}/",
-                self.claims.prefix(),
-                rec.volume_id
-            ))
+            .range_prefix(self.claims.keys().claims_of(&rec.volume_id))
             .map_err(crate::claims::etcd::unavailable)?;
         let theirs = claims.kvs.iter().find_map(|kv| {
             let c = crate::claims::etcd::parse(kv).ok()?.claim;

@@ -80,7 +80,7 @@ impl NodeLiveness {
         let status = Arc::new(Mutex::new(Liveness::default()));
         let mut threads = Threads::new();
         let (key, node, st, f) = (
-            crate::claims::etcd::node_key(prefix, node),
+            crate::claims::etcd::Keys::new(prefix).node(node),
             node.to_string(),
             status.clone(),
             fencing.clone(),

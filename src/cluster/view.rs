@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::claims::etcd::keys::{Keys, NodeKey};
 use crate::claims::margins;
 use crate::etcd::{prefix_end, EtcdClient, KeyValue, WatchEvent};
 use crate::shutdown::Shutdown;
@@ -127,7 +128,7 @@ impl NodeView {
     /// liveness key deleted (by hand, or by its lease's end).
     pub fn start(
         client: EtcdClient,
-        prefix: &str,
+        keys: Keys,
         own: (String, Box<dyn Fn() + Send>),
         shutdown: Shutdown,
         threads: &mut Threads,
@@ -135,10 +136,7 @@ impl NodeView {
         let state = Arc::new(Mutex::new(ViewState::default()));
         let keeper = Keeper {
             client,
-            nodes: format!("{}/nodes/", prefix.trim_end_matches('/')),
-            settings: format!("{}/node-settings/", prefix.trim_end_matches('/')),
-            // One range holds both: `<prefix>/node`.
-            range: format!("{}/node", prefix.trim_end_matches('/')),
+            keys,
             state: state.clone(),
             own,
             shutdown,
@@ -158,9 +156,7 @@ impl NodeView {
 
 struct Keeper {
     client: EtcdClient,
-    nodes: String,
-    settings: String,
-    range: String,
+    keys: Keys,
     state: Arc<Mutex<ViewState>>,
     own: (String, Box<dyn Fn() + Send>),
     shutdown: Shutdown,
@@ -182,7 +178,9 @@ impl Keeper {
     /// One Range, then the watch from the revision after it, until the
     /// watch ends or the agent stops.
     fn follow(&self) -> Result<(), String> {
-        let key = self.range.as_bytes();
+        // One range holds both `nodes/` and `node-settings/`.
+        let range = self.keys.node_range();
+        let key = range.as_bytes();
         let end = prefix_end(key);
         let read = self
             .client
@@ -232,22 +230,25 @@ impl Keeper {
             WatchEvent::Delete(kv) => (kv, false),
             WatchEvent::Progress { .. } => return,
         };
-        let key = kv.key_str();
-        if let Some(node) = key.strip_prefix(&self.nodes) {
-            if put {
-                nodes.alive.insert(node.to_string());
-            } else {
-                nodes.alive.remove(node);
-                if node == self.own.0 {
-                    (self.own.1)();
+        match self.keys.parse_node(&kv.key_str()) {
+            Some(NodeKey::Liveness(node)) => {
+                if put {
+                    nodes.alive.insert(node);
+                } else {
+                    nodes.alive.remove(&node);
+                    if node == self.own.0 {
+                        (self.own.1)();
+                    }
                 }
             }
-        } else if let Some(node) = key.strip_prefix(&self.settings) {
-            if put {
-                nodes.set_settings(node, kv);
-            } else {
-                nodes.remove_settings(node);
+            Some(NodeKey::Settings(node)) => {
+                if put {
+                    nodes.set_settings(&node, kv);
+                } else {
+                    nodes.remove_settings(&node);
+                }
             }
+            None => {}
         }
     }
 }

@@ -27,6 +27,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::claims::etcd::Keys;
 use crate::etcd::{prefix_end, EtcdClient, KeyValue, WatchEvent};
 use crate::lifecycle::Lifecycle;
 use crate::shutdown::Shutdown;
@@ -82,7 +83,7 @@ struct Inner {
 
 enum Source {
     Local { notes_file: PathBuf },
-    Cluster { client: EtcdClient, prefix: String },
+    Cluster { client: EtcdClient, keys: Keys },
 }
 
 #[derive(Default)]
@@ -142,7 +143,7 @@ impl View {
                 });
                 Source::Cluster {
                     client,
-                    prefix: prefix.trim_end_matches('/').to_string(),
+                    keys: Keys::new(&prefix),
                 }
             }
         };
@@ -157,12 +158,12 @@ impl View {
 
     /// Cluster mode: starts thread `docker-view`, which keeps the view.
     pub fn start(&self, threads: &mut Threads, stop: Shutdown) -> std::io::Result<()> {
-        if let Source::Cluster { client, prefix } = &self.inner.source {
+        if let Source::Cluster { client, keys } = &self.inner.source {
             let keeper = Keeper {
                 client: client.clone(),
-                range: format!("{prefix}/volumes"),
-                volumes: format!("{prefix}/volumes/"),
-                notes: format!("{prefix}/volumes-docker/"),
+                range: keys.volume_range(),
+                volumes: keys.volumes(),
+                notes: keys.docker_notes(),
                 view: self.clone(),
                 stop,
             };
@@ -228,10 +229,10 @@ impl View {
                 notes.insert(name.clone(), note.clone());
                 write_notes(notes_file, &notes)?;
             }
-            Source::Cluster { client, prefix } => {
+            Source::Cluster { client, keys } => {
                 let value = serde_json::to_vec(&note).expect("a note always encodes");
                 client
-                    .put(format!("{prefix}/volumes-docker/{name}"), value)
+                    .put(keys.docker_note(&name), value)
                     .map_err(|e| NoteError(format!("cannot write the volume's note: {e}")))?;
                 cached.volumes.insert(name.clone(), without_secrets(spec));
             }
@@ -251,9 +252,9 @@ impl View {
                     write_notes(notes_file, &notes)?;
                 }
             }
-            Source::Cluster { client, prefix } => {
+            Source::Cluster { client, keys } => {
                 client
-                    .delete_range(format!("{prefix}/volumes-docker/{name}"), b"")
+                    .delete_range(keys.docker_note(name), b"")
                     .map_err(|e| NoteError(format!("cannot remove the volume's note: {e}")))?;
                 cached.volumes.remove(name);
             }

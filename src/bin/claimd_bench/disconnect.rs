@@ -25,6 +25,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use claimd::api::wire as w;
+use claimd::claims::etcd::Keys;
 use claimd::etcd::{EtcdClient, EtcdOptions};
 use grpcio::CallOption;
 use serde_json::{json, Value};
@@ -126,7 +127,7 @@ fn start_host(
         Some(cluster),
         json!({}),
     );
-    let key = format!("{prefix}/plugins/{PLUGIN}/controllers/{name}");
+    let key = Keys::new(&prefix).controller_host(PLUGIN, name);
     wait_for(&format!("{key} to be written"), SHOW_TIMEOUT, || {
         etcd.get(&key).is_ok_and(|kv| kv.is_some())
     });
@@ -393,7 +394,7 @@ fn takeover(
             section(&proxy.endpoint(), &prefix, Some(t), Some(d)),
         );
         let b = start_node_only(args, env, s, &bn, section(endpoint, &prefix, Some(t), None));
-        let settings = format!("{prefix}/node-settings/{an}");
+        let settings = Keys::new(&prefix).settings(&an);
         wait_for(&format!("{settings} to be written"), SHOW_TIMEOUT, || {
             etcd.get(&settings).is_ok_and(|kv| kv.is_some())
         });
@@ -559,10 +560,11 @@ fn one_takeover(
     );
     let cut = now_ms();
     proxy.pause();
+    let keys = Keys::new(prefix);
     let (node_key, freed_key, b_key) = (
-        format!("{prefix}/nodes/{}", a.name),
-        format!("{prefix}/freed/{v}/{pa}"),
-        format!("{prefix}/claims/{v}/{qb}"),
+        keys.node(&a.name),
+        keys.freed(v, &pa),
+        keys.claim(v, &qb),
     );
     let since = |t: u64| t.saturating_sub(cut) as f64;
     let mut r = Takeover {

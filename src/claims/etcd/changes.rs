@@ -217,7 +217,7 @@ impl EtcdClaims {
         let Some(f) = &self.fencing else {
             return Ok(TakeLiveness(None));
         };
-        let key = node_key(&self.prefix, &req.node);
+        let key = self.keys.node(&req.node);
         if f.liveness_revision().is_none() {
             // Registering (at start, or after the lease was lost): a take
             // waits for it a little rather than a whole claim backoff.
@@ -369,7 +369,7 @@ impl EtcdClaims {
         let Some((node, rev)) = self.uncertain_takes.lock().get(&k).cloned() else {
             return Ok(());
         };
-        let key = node_key(&self.prefix, &node);
+        let key = self.keys.node(&node);
         let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, rev);
         let t = self
             .client
@@ -535,10 +535,8 @@ impl EtcdClaims {
                     "at_ms": super::now_ms(),
                 });
                 deletes.push(TxnOp::put_with_lease(
-                    format!(
-                        "{}/freed/{}/{}",
-                        self.prefix, hand.claim.volume_id, hand.claim.alloc_id
-                    ),
+                    self.keys
+                        .freed(&hand.claim.volume_id, &hand.claim.alloc_id),
                     note.to_string(),
                     lease,
                 ));
@@ -546,7 +544,7 @@ impl EtcdClaims {
             if let Ok(stored) = parse(&kv) {
                 deletes.push(TxnOp::delete(self.index_key_of(key, &stored.claim.node)));
                 if while_gone {
-                    let k = node_key(&self.prefix, &stored.claim.node);
+                    let k = self.keys.node(&stored.claim.node);
                     compares.push(Compare::absent(k.clone()));
                     liveness = Some((k, stored.claim.node));
                 }

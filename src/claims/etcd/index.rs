@@ -92,30 +92,26 @@ fn keeps_index(kv: Option<&KeyValue>) -> bool {
 impl EtcdClaims {
     /// `<prefix>/node-claims/<node>/`.
     pub(crate) fn index_prefix(&self, node: &str) -> String {
-        format!("{}/node-claims/{node}/", self.prefix)
+        self.keys.node_claims(node)
     }
 
     /// The index entry of `node`'s claim of `volume_id` by `alloc_id`.
     pub(crate) fn index_key(&self, node: &str, volume_id: &str, alloc_id: &str) -> String {
-        format!("{}{volume_id}/{alloc_id}", self.index_prefix(node))
+        self.keys.node_claim(node, volume_id, alloc_id)
     }
 
     /// The index entry of the claim at `claim_key` held by `node`.
     pub(crate) fn index_key_of(&self, claim_key: &str, node: &str) -> String {
-        let rest = claim_key
-            .strip_prefix(&self.all_prefix())
+        let (volume_id, alloc_id) = self
+            .keys
+            .parse_claim(claim_key)
             .expect("a claim key lies under the claims prefix");
-        format!("{}{rest}", self.index_prefix(node))
+        self.keys.node_claim(node, volume_id, alloc_id)
     }
 
     /// `<prefix>/claim-index/<node>`: the node's older claims are indexed.
     pub(crate) fn index_marker(&self, node: &str) -> String {
-        format!("{}/claim-index/{node}", self.prefix)
-    }
-
-    /// `<prefix>/node-settings/<node>`.
-    fn settings_key(&self, node: &str) -> String {
-        super::settings_key(&self.prefix, node)
+        self.keys.claim_index(node)
     }
 
     /// The marker and settings of `node` (one `Txn`), then its entries
@@ -129,7 +125,7 @@ impl EtcdClaims {
             .into_iter()
             .filter_map(|kv| {
                 let key = kv.key_str().into_owned();
-                let (v, a) = key.strip_prefix(&prefix)?.split_once('/')?;
+                let (v, a) = self.keys.parse_node_claim(node, &key)?;
                 Some(((v.to_string(), a.to_string()), kv))
             })
             .collect();
@@ -151,7 +147,7 @@ impl EtcdClaims {
                 &[],
                 &[
                     TxnOp::get(self.index_marker(node)),
-                    TxnOp::get(self.settings_key(node)),
+                    TxnOp::get(self.keys.settings(node)),
                 ],
                 &[],
             )
@@ -184,7 +180,7 @@ impl EtcdClaims {
         }
         let settings_as_read = match &settings {
             Some(kv) => Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
-            None => Compare::absent(self.settings_key(node)),
+            None => Compare::absent(self.keys.settings(node)),
         };
         let same = Compare::mod_revision(marker.key.clone(), CompareOp::Equal, marker.mod_revision);
         let t = self

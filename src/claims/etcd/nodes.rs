@@ -15,7 +15,7 @@ impl EtcdClaims {
     /// (relative to the prefix).
     pub fn remove_node(&self, node: &str) -> Result<Vec<String>, RemoveNodeError> {
         let store = |e| RemoveNodeError::Store(unavailable(e));
-        let liveness = node_key(&self.prefix, node);
+        let liveness = self.keys.node(node);
         let alive = || RemoveNodeError::Alive {
             node: node.to_string(),
         };
@@ -30,10 +30,10 @@ impl EtcdClaims {
                 volumes,
             });
         }
-        let rel = [
-            format!("node-settings/{node}"),
-            format!("reaper-locks/{node}"),
-            format!("claim-index/{node}"),
+        let keys = [
+            self.keys.settings(node),
+            self.keys.reaper_lock(node),
+            self.keys.claim_index(node),
         ];
         // A claim taken since the read has an index entry newer than it
         // (or, without the index, is a claim newer than it).
@@ -45,10 +45,7 @@ impl EtcdClaims {
         let unchanged =
             Compare::mod_revision(watched.into_bytes(), CompareOp::Less, held.revision + 1)
                 .with_prefix();
-        let mut deletes: Vec<TxnOp> = rel
-            .iter()
-            .map(|k| TxnOp::delete(format!("{}/{k}", self.prefix)))
-            .collect();
+        let mut deletes: Vec<TxnOp> = keys.iter().map(|k| TxnOp::delete(k.clone())).collect();
         deletes.push(TxnOp::delete_prefix(self.index_prefix(node)));
         let t = self
             .client
@@ -73,11 +70,15 @@ impl EtcdClaims {
                 })
             });
         }
-        let removed: Vec<String> = rel
-            .into_iter()
+        let removed: Vec<String> = keys
+            .iter()
             .zip(&t.responses)
             .filter(|(_, r)| matches!(r, TxnOpResponse::Delete(d) if d.deleted > 0))
-            .map(|(k, _)| k)
+            .map(|(k, _)| {
+                k.strip_prefix(self.keys.prefix())
+                    .map_or(k.as_str(), |r| r.trim_start_matches('/'))
+                    .to_string()
+            })
             .collect();
         if removed.is_empty() {
             return Err(RemoveNodeError::Unknown {

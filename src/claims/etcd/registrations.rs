@@ -147,7 +147,7 @@ impl SharedVolumes for EtcdClaims {
     fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError> {
         let r = self
             .client
-            .range_prefix(format!("{}/volumes/", self.prefix))
+            .range_prefix(self.keys.volumes())
             .map_err(unavailable)?;
         r.kvs.iter().map(parse_spec).collect()
     }
@@ -174,7 +174,7 @@ impl EtcdClaims {
             .bytes()
             .map(|b| format!("{b:02x}"))
             .collect();
-        format!("{}/storage/{}/{hex}", self.prefix, storage.plugin_id)
+        self.keys.storage(&storage.plugin_id, &hex)
     }
 
     /// Makes the storage index name `name`: written when absent, or when
