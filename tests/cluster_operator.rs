@@ -434,7 +434,7 @@ fn an_agent_meeting_a_newer_key_schema_does_not_register() {
     let key = format!("{PREFIX}/schema");
     c.etcd
         .client()
-        .put(key.as_str(), br#"{"version": 2}"#.to_vec())
+        .put(key.as_str(), br#"{"version": 2}"#)
         .expect("write the schema");
     c.wait_gone("a");
     c.node_mut("a").start_agent();
@@ -451,7 +451,7 @@ fn an_agent_meeting_a_newer_key_schema_does_not_register() {
     );
     c.etcd
         .client()
-        .put(key.as_str(), br#"{"version": 1}"#.to_vec())
+        .put(key.as_str(), br#"{"version": 1}"#)
         .expect("write the schema");
     c.wait_alive("a");
 }

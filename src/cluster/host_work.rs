@@ -50,9 +50,8 @@ pub(super) struct Work {
 
 /// The key of the claim an attach request is for, when it names one.
 pub(super) fn claim_key(claims: &EtcdClaims, rec: &AttachmentRecord) -> Option<String> {
-    (rec.epoch != 0 && !rec.alloc_id.is_empty()).then(|| {
-        claims.keys().claim(&rec.volume_id, &rec.alloc_id)
-    })
+    (rec.epoch != 0 && !rec.alloc_id.is_empty())
+        .then(|| claims.keys().claim(&rec.volume_id, &rec.alloc_id))
 }
 
 impl Work {

@@ -561,11 +561,7 @@ fn one_takeover(
     let cut = now_ms();
     proxy.pause();
     let keys = Keys::new(prefix);
-    let (node_key, freed_key, b_key) = (
-        keys.node(&a.name),
-        keys.freed(v, &pa),
-        keys.claim(v, &qb),
-    );
+    let (node_key, freed_key, b_key) = (keys.node(&a.name), keys.freed(v, &pa), keys.claim(v, &qb));
     let since = |t: u64| t.saturating_sub(cut) as f64;
     let mut r = Takeover {
         waiting_before_cut: cut.saturating_sub(asked) as f64,

@@ -535,8 +535,7 @@ impl EtcdClaims {
                     "at_ms": super::now_ms(),
                 });
                 deletes.push(TxnOp::put_with_lease(
-                    self.keys
-                        .freed(&hand.claim.volume_id, &hand.claim.alloc_id),
+                    self.keys.freed(&hand.claim.volume_id, &hand.claim.alloc_id),
                     note.to_string(),
                     lease,
                 ));

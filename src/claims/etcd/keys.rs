@@ -260,13 +260,22 @@ mod tests {
             (k.attachments(), "/claimd/attachments/"),
             (k.attachment("v", "n1"), "/claimd/attachments/v/n1"),
             (k.attachment_locks(), "/claimd/attachment-locks/"),
-            (k.attachment_lock("v", "n1"), "/claimd/attachment-locks/v/n1"),
+            (
+                k.attachment_lock("v", "n1"),
+                "/claimd/attachment-locks/v/n1",
+            ),
             (k.attachment_range(), "/claimd/attachment"),
             (k.plugins(), "/claimd/plugins/"),
             (k.controller_hosts("p"), "/claimd/plugins/p/controllers/"),
-            (k.controller_host("p", "n1"), "/claimd/plugins/p/controllers/n1"),
+            (
+                k.controller_host("p", "n1"),
+                "/claimd/plugins/p/controllers/n1",
+            ),
             (k.controller_calls(), "/claimd/controller-calls/"),
-            (k.controller_call_lock("c1"), "/claimd/controller-call-locks/c1"),
+            (
+                k.controller_call_lock("c1"),
+                "/claimd/controller-call-locks/c1",
+            ),
             (k.controller_call_range(), "/claimd/controller-call"),
         ];
         for (built, want) in pinned {
