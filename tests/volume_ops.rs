@@ -671,3 +671,53 @@ fn a_published_allocation_whose_target_is_empty_is_published_again() {
         .count();
     assert_eq!(publishes, 3, "{:?}", w.ops());
 }
+
+/// A mounted allocation asked for again whose re-publish fails is left as
+/// it is: its other volume stays mounted and claimed (a rollback would
+/// free a claim its workload still uses), and the error is answered.
+#[test]
+fn a_failed_republish_leaves_the_allocation_as_it_is() {
+    let w = World::new(&[]);
+    for (id, ext) in [("v", "ext-v"), ("u", "ext-u")] {
+        w.plugin.add_volume(ext);
+        w.agent
+            .register(&volume_json(id, ext, &["single-node-writer"]))
+            .ok();
+    }
+    let args = [
+        "alloc", "mount", "a1", "--volume", "data=v", "--volume", "logs=u", "--json",
+    ];
+    let out = w.cli(&args).ok();
+    let paths: Vec<PathBuf> = out.json()["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .map(|v| PathBuf::from(v["host_path"].as_str().expect("host_path")))
+        .collect();
+    assert_eq!(paths.len(), 2, "{out:?}");
+    let (emptied, kept) = if paths[0].to_string_lossy().contains("/v/") {
+        (&paths[0], &paths[1])
+    } else {
+        (&paths[1], &paths[0])
+    };
+    let um = std::process::Command::new("umount")
+        .arg(emptied)
+        .output()
+        .expect("run umount");
+    assert!(um.status.success(), "{um:?}");
+    w.plugin.faults().set(json!([
+        {"method": "NodePublishVolume", "action": "empty", "count": 1}
+    ]));
+    assert_fails(
+        &w.cli(&args),
+        EXIT_FAILED,
+        &["NodePublishVolume answered OK but nothing is mounted at"],
+    );
+    assert!(is_mount_point(kept), "the other volume was unmounted");
+    let claims = w.agent.state()["claims"].clone();
+    assert_eq!(claims.as_array().map(Vec::len), Some(2), "{claims}");
+    assert!(w.agent.state_allocs().contains_key("a1"));
+    // The fault spent, the same mount publishes it again.
+    w.cli(&args).ok();
+    assert!(is_mount_point(emptied));
+}

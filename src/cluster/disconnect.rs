@@ -253,6 +253,8 @@ impl SelfRelease {
     fn tick(&mut self) {
         if self.parts.fencing.since_last_sent().is_none() && !self.parts.rebooted {
             self.wait_for_registration();
+            // Waited for once: not again below.
+            self.waited_for_registration = true;
         }
         let mut ago = self.since_renewal();
         let Some(mut window) = self.window() else {

@@ -416,6 +416,12 @@ impl Driver {
             .saturating_sub(ENGINE_ANSWER_MARGIN + self.mount_timeout + 2 * GIVE_UP_WAIT);
         let _turn = self.turn(&alloc, turn_wait)?;
         self.turns.mounted(&alloc);
+        // A mounted allocation whose target was emptied (an umount by
+        // hand, a restore that met a plugin mounting elsewhere) is
+        // published again before it is counted and answered.
+        if let Err(e) = self.lifecycle.republish_empty(&alloc) {
+            return Err(DriverError::Mount(e));
+        }
         let added =
             self.lifecycle
                 .add_reference(&alloc)

@@ -560,6 +560,13 @@ impl Lifecycle {
         mount::mounted(&self.core, alloc_id)
     }
 
+    /// Publishes again every published volume of `alloc_id` whose target
+    /// has nothing mounted (a front end's second Mount, before it counts
+    /// one more reference); never rolls the allocation back.
+    pub fn republish_empty(&self, alloc_id: &str) -> Result<(), MountError> {
+        mount::republish_empty(&self.core, alloc_id)
+    }
+
     /// One more reference to a mounted allocation (a front end's second
     /// Mount of it), durable when this returns; the new count. None: not
     /// recorded, not mounted yet or being released (nothing written): mount

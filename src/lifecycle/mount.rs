@@ -80,6 +80,10 @@ pub fn mount(
 ) -> Result<Vec<MountedVolume>, MountError> {
     validate_requests(alloc_id, reqs)?;
     let _guard = begin(core, alloc_id)?;
+    // Mounted already: a failure below (publishing again a volume whose
+    // target is empty) leaves the allocation as it is; its other volumes
+    // are in use, and a rollback would free their claims.
+    let was_published = published_whole(core, alloc_id);
     let result = match record_intent(core, alloc_id, reqs)? {
         Some(refused) => Err(refused),
         None => {
@@ -94,6 +98,13 @@ pub fn mount(
         // A graceful stop unmounts nothing: the next start finishes this
         // mount from the state.
         Err(e @ MountError::Shutdown) => Err(e),
+        Err(e) if was_published => {
+            log::warn!(
+                "mount of allocation {alloc_id}, mounted already, failed ({}); the allocation is left as it is",
+                crate::error_chain(&e)
+            );
+            Err(e)
+        }
         Err(e) => {
             log::warn!(
                 "mount of allocation {alloc_id} failed ({}); rolling back",
@@ -440,6 +451,47 @@ pub fn mounted(core: &Core, alloc_id: &str) -> Vec<MountedVolume> {
     })
 }
 
+/// Whether `alloc_id` is recorded, not being released, and every volume of
+/// it is published.
+fn published_whole(core: &Core, alloc_id: &str) -> bool {
+    core.store.read(|s| {
+        s.allocs.get(alloc_id).is_some_and(|a| {
+            !a.releasing && a.volumes.values().all(|v| v.phase == Phase::Published)
+        })
+    })
+}
+
+/// A mounted allocation asked for again by a front end that counts its
+/// own mounts (the Docker plugin's second Mount): every published volume
+/// whose target has nothing mounted is published again (node side), as
+/// `mount` does; never rolled back. Nothing to do: no lock taken.
+pub fn republish_empty(core: &Arc<Core>, alloc_id: &str) -> Result<(), MountError> {
+    let empty: Vec<String> = core.store.read(|s| {
+        s.allocs
+            .get(alloc_id)
+            .map(|a| {
+                a.volumes
+                    .values()
+                    .filter(|v| {
+                        v.phase == Phase::Published
+                            && matches!(crate::mounts::is_mount_point(&v.target_path), Ok(false))
+                    })
+                    .map(|v| v.alias.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    });
+    if empty.is_empty() {
+        return Ok(());
+    }
+    let _guard = begin(core, alloc_id)?;
+    let deadline = Instant::now() + core.opts.mount_retry_deadline;
+    for alias in empty {
+        mount_volume(core, alloc_id, &alias, deadline, Redo::Unfinished)?;
+    }
+    Ok(())
+}
+
 /// What a mount of one volume redoes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Redo {
@@ -481,8 +533,9 @@ fn mount_volume_steps(
         // at the target (unmounted by hand, or a restore whose NodePublish
         // landed in another mount namespace): the node side again, so a
         // mount is never answered with an empty directory.
-        let block = rec.usage.attachment.is_block();
-        match crate::volumes::mounted::ensure_mounted(&rec.target_path, block) {
+        // A mount, not a block device node: a node made by mknod outlives
+        // a reboot, so only NodePublish's answer vouches for one.
+        match crate::volumes::mounted::ensure_mounted(&rec.target_path, false) {
             Err(crate::volumes::mounted::NotMounted::Missing { .. }) => {
                 log::info!(
                     "allocation {alloc_id}: volume {alias} is recorded as published but nothing is mounted at {}: publishing it again",

@@ -84,7 +84,9 @@ pub fn ensure_mounted(path: &Path, block: bool) -> Result<(), NotMounted> {
     match crate::mounts::is_mount_point(path) {
         Ok(true) => Ok(()),
         Ok(false)
-            if block && std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device()) =>
+            if block
+                && std::fs::symlink_metadata(path)
+                    .is_ok_and(|m| m.file_type().is_block_device()) =>
         {
             Ok(())
         }

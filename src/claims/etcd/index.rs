@@ -102,11 +102,9 @@ impl EtcdClaims {
 
     /// The index entry of the claim at `claim_key` held by `node`.
     pub(crate) fn index_key_of(&self, claim_key: &str, node: &str) -> String {
-        let (volume_id, alloc_id) = self
-            .keys
-            .parse_claim(claim_key)
-            .expect("a claim key lies under the claims prefix");
-        self.keys.node_claim(node, volume_id, alloc_id)
+        self.keys
+            .node_claim_of(node, claim_key)
+            .expect("a claim key lies under the claims prefix")
     }
 
     /// `<prefix>/claim-index/<node>`: the node's older claims are indexed.

@@ -126,6 +126,14 @@ impl Keys {
         self.at(format_args!("node-claims/{node}/{volume_id}/{alloc_id}"))
     }
 
+    /// The index entry of the claim at `claim_key` held by `node`: its
+    /// path below `claims/` under `node-claims/<node>/` (whatever its
+    /// shape: a key written by hand may lack the allocation part).
+    pub fn node_claim_of(&self, node: &str, claim_key: &str) -> Option<String> {
+        let rest = claim_key.strip_prefix(&self.claims())?;
+        Some(self.at(format_args!("node-claims/{node}/{rest}")))
+    }
+
     /// (volume, allocation) of an index key of `node`.
     pub fn parse_node_claim<'k>(&self, node: &str, key: &'k str) -> Option<(&'k str, &'k str)> {
         key.strip_prefix(&self.node_claims(node))?.split_once('/')

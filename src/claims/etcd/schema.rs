@@ -3,8 +3,11 @@
 //! each registration of its node. An agent that meets a schema newer than
 //! its own does not register, naming both versions: it counts as cut off
 //! (its self-release, and the other nodes' reapers, act as for any node
-//! gone), and writes nothing an agent of the newer schema would misread.
-//! Agents older than the key ignore it.
+//! gone), so it takes no claim and calls nothing up. (A registration or
+//! an operator's command through it still writes.) A value that is not a
+//! schema record is said loudly and left alone; it blocks nothing, so one
+//! damaged key cannot take every node down. Agents older than the key
+//! ignore it.
 
 use super::*;
 use crate::etcd::TxnOp;
@@ -47,9 +50,12 @@ impl EtcdClaims {
                 "{key} says key schema {}, older than this claimd's {ours}, which has no way from it: this agent does not register",
                 r.version
             ),
-            Err(e) => format!(
-                "{key} is not a key schema record ({e}): fix it by hand (it is left untouched); this agent does not register meanwhile"
-            ),
+            Err(e) => {
+                log::error!(
+                    "cluster: {key} is not a key schema record ({e}): fix it by hand to {{\"version\": {ours}}} (it is left untouched); registering anyway"
+                );
+                return Ok(());
+            }
         };
         log::error!("cluster: {why}");
         Err(why)
