@@ -13,10 +13,10 @@ fi
 
 # Set-up: grpcio's C core builds with cmake and a C++ compiler, and with
 # the `tls` feature links the system OpenSSL (libssl-dev); the restart
-# scripts use jq and findmnt; tests/etcd_client.rs starts throwaway members
-# of Debian's etcd (package etcd-server: it starts no daemon of its own here,
-# and the tests never use a default instance); tests/cluster_tls.rs makes
-# its certificates with the openssl CLI.
+# scripts use jq and findmnt; the cluster and docker tests start throwaway
+# members of Debian's etcd (package etcd-server: it starts no daemon of its
+# own here, and the tests never use a default instance); tests/cluster/tls.rs
+# makes its certificates with the openssl CLI.
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
@@ -27,13 +27,14 @@ command -v findmnt >/dev/null || need+=(util-linux)
 [ -x /usr/bin/etcd ] || need+=(etcd-server)
 # promtool and prometheus: the metrics tests check the text and scrape it.
 command -v promtool >/dev/null || need+=(prometheus)
-# tests/docker.rs: real Docker and Podman (with runc), and busybox-static
-# for the image it imports.
+# tests/docker/: real Docker and Podman (with runc), and busybox-static for
+# the image it imports.
 [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 [ -x /usr/bin/podman ] || need+=(podman)
 [ -x /usr/sbin/runc ] || need+=(runc)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
-# tests/cluster_regress.rs skews one agent's wall clock with libfaketime.
+# tests/cluster/partial_failures/ skews one agent's wall clock with
+# libfaketime.
 [ -f /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || need+=(faketime)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]}"
@@ -44,12 +45,13 @@ fi
 cargo fmt --all -- --check
 # Every cargo command builds with `tls` (TLS to etcd), so that grpcio-sys's
 # C core, the longest part of the build, is built once with one feature set
-# and the TLS code and tests/cluster_tls.rs are checked and run. Both builds
+# and the TLS code and tests/cluster/tls.rs are checked and run. Both builds
 # must be clean: the shipped one (plus tls) and the one with failpoints.
 cargo clippy --locked --all-targets --features tls -- -D warnings
 cargo clippy --locked --all-targets --features tls,failpoints -- -D warnings
-# The restart scripts (tests/restart/*.sh, run by tests/restart.rs) kill the
-# agent at named failpoints, which only a `failpoints` build has.
+# The restart scripts (tests/local/restart/*.sh, run by the `local` test
+# binary's `restart` module) kill the agent at named failpoints, which only
+# a `failpoints` build has.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # --no-fail-fast: a failing test binary does not keep the others from

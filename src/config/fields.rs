@@ -1,7 +1,7 @@
 //! Every field of the config file, its default and what it means: the one
 //! source of the config reference. `claimd agent --help` prints it
 //! (`help_section`), and the manual's configuration page holds
-//! `markdown()` between two markers; tests/docs.rs fails when the page is
+//! `markdown()` between two markers; tests/project/docs.rs fails when the page is
 //! not exactly that, or when this table and the parser's fields differ.
 //! Defaults are read from the parser's own constants.
 

@@ -436,7 +436,7 @@ fn settle(endpoint: &str, n: usize) {
         },
     )
     .expect("a valid endpoint");
-    let key = format!("{PREFIX}/nodes/");
+    let key = claimd::claims::etcd::keys::Keys::new(PREFIX).nodes();
     let mut seen = 0;
     let end = Instant::now() + SETTLE_TIMEOUT;
     while seen != n {
