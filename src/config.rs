@@ -8,10 +8,14 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::etcd::endpoint::Scheme;
-
+pub mod cluster;
 pub mod docker;
 pub mod fields;
+
+pub use cluster::{
+    ClusterConfig, ClusterTls, DEFAULT_ATTACH_TIMEOUT, DEFAULT_CLUSTER_PREFIX,
+    DEFAULT_ETCD_CALL_TIMEOUT, DEFAULT_FREED_NOTE_RETENTION, DEFAULT_LEASE_TTL,
+};
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/claimd/config.json";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/claimd";
 pub const DEFAULT_API_SOCKET: &str = "/run/claimd/claimd.sock";
@@ -90,64 +94,6 @@ impl Default for Timeouts {
     }
 }
 
-/// Cluster mode: claims shared by every node through etcd.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClusterConfig {
-    /// etcd client URLs (`http://host:port` or `host:port`), tried in order
-    /// with failover.
-    pub endpoints: Vec<String>,
-    /// Every key claimd writes starts with this.
-    pub prefix: String,
-    /// TTL of this node's liveness lease (`<prefix>/nodes/<node>`).
-    pub lease_ttl: Duration,
-    /// Deadline of every etcd call.
-    pub call_timeout: Duration,
-    /// TLS to etcd (the `tls` build only).
-    pub tls: Option<ClusterTls>,
-    /// How long one attach or detach request through a controller host on
-    /// another node waits for its answer.
-    pub attach_timeout: Duration,
-    /// Off (None) by default. When this node cannot renew its lease for
-    /// this long it releases its allocations' node side itself; once its
-    /// lease has been gone this long the cluster detaches its volumes and
-    /// frees its claims.
-    pub stop_after_disconnect: Option<Duration>,
-    /// Plugins whose ControllerUnpublishVolume cuts a node off the volume
-    /// (a fence): only their volumes are detached and freed by the cluster
-    /// when their node is gone for good.
-    pub fencing_plugins: Vec<String>,
-    /// Off by default: the cluster also frees claims it cannot fence
-    /// (node-only volumes, plugins not in `fencing_plugins`) of a node gone
-    /// for good. The user's risk: a paused or crashed node does not stop.
-    pub free_unfenced_claims: bool,
-    /// Plugins that are given the claim's epoch (its etcd create revision,
-    /// the fencing token) under `claimd.io/epoch`
-    /// (`volumes::requests::EPOCH_CONTEXT_KEY`): in the volume context
-    /// of ControllerPublishVolume and the publish context of NodeStage and
-    /// NodePublish. Off by default: the CSI spec has those maps match what
-    /// the plugin answered, so only a plugin that asks for the key gets it.
-    pub epoch_plugins: Vec<String>,
-    /// How long a `freed/` note is kept (on a lease of that TTL): a node
-    /// coming back later finds neither claim nor note and keeps its
-    /// allocation, saying so in its log.
-    pub freed_note_retention: Duration,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClusterTls {
-    pub ca: PathBuf,
-    pub cert: Option<PathBuf>,
-    pub key: Option<PathBuf>,
-}
-
-pub const DEFAULT_CLUSTER_PREFIX: &str = "/claimd";
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
-pub const DEFAULT_ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
-pub const DEFAULT_ATTACH_TIMEOUT: Duration = Duration::from_secs(60);
-pub use crate::claims::etcd::DEFAULT_FREED_NOTE_RETENTION;
-/// Shortest `cluster.freed_note_retention`.
-const MIN_FREED_NOTE_RETENTION: Duration = Duration::from_secs(60);
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub state_dir: PathBuf,
@@ -205,36 +151,8 @@ struct RawConfig {
     release_retry_deadline: Option<String>,
     metrics_listen: Option<String>,
     volume_stats_interval: Option<String>,
-    cluster: Option<RawCluster>,
+    cluster: Option<cluster::RawCluster>,
     docker: Option<docker::RawDocker>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawCluster {
-    #[serde(default)]
-    endpoints: Vec<String>,
-    prefix: Option<String>,
-    lease_ttl: Option<String>,
-    call_timeout: Option<String>,
-    tls: Option<RawTls>,
-    attach_timeout: Option<String>,
-    stop_after_disconnect: Option<String>,
-    #[serde(default)]
-    fencing_plugins: Vec<String>,
-    #[serde(default)]
-    free_unfenced_claims: bool,
-    #[serde(default)]
-    epoch_plugins: Vec<String>,
-    freed_note_retention: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTls {
-    ca: PathBuf,
-    cert: Option<PathBuf>,
-    key: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -306,262 +224,48 @@ impl Config {
         Config::parse(path, &text)
     }
 
-    /// Validates config text; `path` is only used in messages.
+    /// Validates config text; `path` is only used in messages. Section by
+    /// section, in the order the errors have always come in: the plugins,
+    /// the cluster, this agent's own fields, the docker section, the
+    /// timeouts.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
         let raw: RawConfig = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
             path: path.to_path_buf(),
             source,
         })?;
-        let field_err = |field: &str, problem: String| ConfigError::Field {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            problem,
-        };
-        let abs =
-            |field: &str, p: Option<PathBuf>, default: &str| -> Result<PathBuf, ConfigError> {
-                let p = p.unwrap_or_else(|| PathBuf::from(default));
-                check_abs(&p).map_err(|problem| field_err(field, problem))?;
-                Ok(p)
-            };
-        let dur = |field: &str, v: Option<String>, default: Duration| match v {
-            None => Ok(default),
-            Some(s) => match parse_duration(&s) {
-                Ok(d) if d > Duration::ZERO => Ok(d),
-                Ok(_) => Err(field_err(field, "must be greater than zero".into())),
-                Err(e) => Err(field_err(field, e)),
-            },
-        };
+        let f = Fields::new(path, "");
         let plugin_dir = match raw.plugin_dir {
             None => None,
             Some(p) => {
-                check_abs(&p).map_err(|e| field_err("plugin_dir", e))?;
+                check_abs(&p).map_err(|e| f.err("plugin_dir", e))?;
                 Some(p)
             }
         };
-        let mut plugins = Vec::new();
-        let mut roles: HashSet<(String, &'static str)> = HashSet::new();
-        for (i, p) in raw.plugins.into_iter().enumerate() {
-            crate::ids::check_id("plugin", &p.id)
-                .map_err(|e| field_err(&format!("plugins[{i}].id"), e.to_string()))?;
-            let socket = parse_endpoint(&p.socket)
-                .map_err(|e| field_err(&format!("plugins[{i}].socket"), e))?;
-            let mut claimed = Vec::new();
-            if p.plugin_type.serves_node() {
-                claimed.push("node");
-            }
-            if p.plugin_type.serves_controller() {
-                claimed.push("controller");
-            }
-            for role in claimed {
-                if !roles.insert((p.id.clone(), role)) {
-                    return Err(field_err(
-                        &format!("plugins[{i}].id"),
-                        format!(
-                            "duplicate plugin ID {:?}: another entry already serves its {role} side",
-                            p.id
-                        ),
-                    ));
-                }
-            }
-            plugins.push(PluginConfig {
-                id: p.id,
-                plugin_type: p.plugin_type,
-                socket,
-            });
-        }
-        let cluster = match raw.cluster {
-            None => None,
-            Some(c) => {
-                if c.endpoints.is_empty() {
-                    return Err(field_err(
-                        "cluster.endpoints",
-                        "needs at least one etcd endpoint (http://host:port)".into(),
-                    ));
-                }
-                for (i, e) in c.endpoints.iter().enumerate() {
-                    let field = format!("cluster.endpoints[{i}]");
-                    let (_, scheme) = crate::etcd::endpoint::parse_endpoint(e)
-                        .map_err(|err| field_err(&field, err.to_string()))?;
-                    match (scheme, c.tls.is_some()) {
-                        (Scheme::Https, false) => {
-                            return Err(field_err(
-                                &field,
-                                format!("{e} uses TLS: it needs a cluster.tls section, at least the CA (\"ca\": \"/abs/ca.pem\")"),
-                            ))
-                        }
-                        (Scheme::Http, true) => {
-                            return Err(field_err(
-                                &field,
-                                format!("{e} is plain TCP but cluster.tls is set: write https://{} (or host:port)", e.trim().trim_start_matches("http://")),
-                            ))
-                        }
-                        _ => {}
-                    }
-                }
-                let prefix = c
-                    .prefix
-                    .unwrap_or_else(|| DEFAULT_CLUSTER_PREFIX.to_string());
-                let prefix_ok = prefix.starts_with('/')
-                    && prefix.len() > 1
-                    && !prefix.ends_with('/')
-                    && prefix
-                        .split('/')
-                        .skip(1)
-                        .all(|p| crate::ids::check_id("prefix", p).is_ok());
-                if !prefix_ok {
-                    return Err(field_err(
-                        "cluster.prefix",
-                        format!(
-                            "{prefix:?} must be like /claimd: a slash, then names of letters, digits, '.', '_' or '-' separated by slashes"
-                        ),
-                    ));
-                }
-                let lease_ttl = dur("cluster.lease_ttl", c.lease_ttl, DEFAULT_LEASE_TTL)?;
-                if lease_ttl < Duration::from_secs(2) {
-                    return Err(field_err(
-                        "cluster.lease_ttl",
-                        "must be at least 2s (etcd rounds shorter leases up)".into(),
-                    ));
-                }
-                let tls = match c.tls {
-                    None => None,
-                    Some(_) if !cfg!(feature = "tls") => {
-                        return Err(field_err(
-                            "cluster.tls",
-                            "this claimd is built without TLS (cargo feature `tls`)".into(),
-                        ))
-                    }
-                    Some(t) => {
-                        check_abs(&t.ca).map_err(|e| field_err("cluster.tls.ca", e))?;
-                        for (f, p) in [("cluster.tls.cert", &t.cert), ("cluster.tls.key", &t.key)] {
-                            if let Some(p) = p {
-                                check_abs(p).map_err(|e| field_err(f, e))?;
-                            }
-                        }
-                        if t.cert.is_some() != t.key.is_some() {
-                            return Err(field_err(
-                                "cluster.tls",
-                                "cert and key go together".into(),
-                            ));
-                        }
-                        Some(ClusterTls {
-                            ca: t.ca,
-                            cert: t.cert,
-                            key: t.key,
-                        })
-                    }
-                };
-                let stop_after_disconnect = match c.stop_after_disconnect.as_deref() {
-                    None | Some("") => None,
-                    Some(_) => {
-                        let d = dur(
-                            "cluster.stop_after_disconnect",
-                            c.stop_after_disconnect,
-                            Duration::ZERO,
-                        )?;
-                        if d < Duration::from_secs(1) || d < lease_ttl {
-                            return Err(field_err(
-                                "cluster.stop_after_disconnect",
-                                format!(
-                                    "must be at least 1s and at least lease_ttl ({}): a shorter window would stop allocations of a node whose lease is still valid (leave it out to keep allocations however long the node is cut off)",
-                                    format_duration(lease_ttl)
-                                ),
-                            ));
-                        }
-                        Some(d)
-                    }
-                };
-                let call_timeout = dur(
-                    "cluster.call_timeout",
-                    c.call_timeout,
-                    DEFAULT_ETCD_CALL_TIMEOUT,
-                )?;
-                if call_timeout * 2 > lease_ttl {
-                    return Err(field_err(
-                        "cluster.call_timeout",
-                        format!(
-                            "{} must be at most half of lease_ttl ({}): a keep-alive that waits out its deadline must leave time for another inside the lease's life",
-                            format_duration(call_timeout),
-                            format_duration(lease_ttl)
-                        ),
-                    ));
-                }
-                for (field, list) in [
-                    ("cluster.fencing_plugins", &c.fencing_plugins),
-                    ("cluster.epoch_plugins", &c.epoch_plugins),
-                ] {
-                    for p in list {
-                        crate::ids::check_id("plugin", p)
-                            .map_err(|e| field_err(field, e.to_string()))?;
-                    }
-                }
-                let freed_note_retention = dur(
-                    "cluster.freed_note_retention",
-                    c.freed_note_retention,
-                    DEFAULT_FREED_NOTE_RETENTION,
-                )?;
-                if freed_note_retention < MIN_FREED_NOTE_RETENTION {
-                    return Err(field_err(
-                        "cluster.freed_note_retention",
-                        format!(
-                            "{} is shorter than {}: a node back from a short partition must still find why its claims went",
-                            format_duration(freed_note_retention),
-                            format_duration(MIN_FREED_NOTE_RETENTION)
-                        ),
-                    ));
-                }
-                Some(ClusterConfig {
-                    freed_note_retention,
-                    attach_timeout: dur(
-                        "cluster.attach_timeout",
-                        c.attach_timeout,
-                        DEFAULT_ATTACH_TIMEOUT,
-                    )?,
-                    stop_after_disconnect,
-                    endpoints: c.endpoints,
-                    prefix,
-                    lease_ttl,
-                    call_timeout,
-                    tls,
-                    fencing_plugins: c.fencing_plugins,
-                    free_unfenced_claims: c.free_unfenced_claims,
-                    epoch_plugins: c.epoch_plugins,
-                })
-            }
-        };
+        let plugins = parse_plugins(&f, raw.plugins)?;
+        let cluster = cluster::parse(path, raw.cluster)?;
         let metrics_listen = match raw.metrics_listen.as_deref() {
             None | Some("") => None,
-            Some(a) => Some(parse_listen(a).map_err(|e| field_err("metrics_listen", e))?),
+            Some(a) => Some(parse_listen(a).map_err(|e| f.err("metrics_listen", e))?),
         };
-        let volume_stats_interval = dur(
+        let volume_stats_interval = f.dur(
             "volume_stats_interval",
             raw.volume_stats_interval,
             DEFAULT_VOLUME_STATS_INTERVAL,
         )?;
         let node_name = raw.node_name.unwrap_or_else(local_hostname);
-        crate::ids::check_id("node", &node_name)
-            .map_err(|e| field_err("node_name", e.to_string()))?;
-        let csi_call = dur(
+        crate::ids::check_id("node", &node_name).map_err(|e| f.err("node_name", e.to_string()))?;
+        let csi_call = f.dur(
             "csi_call_timeout",
             raw.csi_call_timeout,
             DEFAULT_CSI_CALL_TIMEOUT,
         )?;
         if let Some(c) = &cluster {
-            if let Some(window) = c.stop_after_disconnect {
-                use crate::claims::margins;
-                margins::check_margins(
-                    c.lease_ttl,
-                    window,
-                    margins::unmount_bound(csi_call),
-                    margins::tau(margins::self_release_period(c.lease_ttl)),
-                )
-                .map_err(|e| field_err("cluster.stop_after_disconnect", e))?;
-            }
+            cluster::check_margins(path, c, csi_call)?;
         }
         Ok(Config {
-            state_dir: abs("state_dir", raw.state_dir, DEFAULT_STATE_DIR)?,
-            api_socket: abs("api_socket", raw.api_socket, DEFAULT_API_SOCKET)?,
-            mount_root: abs("mount_root", raw.mount_root, DEFAULT_MOUNT_ROOT)?,
+            state_dir: f.abs("state_dir", raw.state_dir, DEFAULT_STATE_DIR)?,
+            api_socket: f.abs("api_socket", raw.api_socket, DEFAULT_API_SOCKET)?,
+            mount_root: f.abs("mount_root", raw.mount_root, DEFAULT_MOUNT_ROOT)?,
             plugin_dir,
             plugins,
             node_name,
@@ -569,37 +273,139 @@ impl Config {
             metrics_listen,
             volume_stats_interval,
             docker: docker::parse(path, raw.docker)?,
-            timeouts: Timeouts {
+            timeouts: parse_timeouts(
+                &f,
                 csi_call,
-                plugin_wait: dur(
-                    "plugin_wait_timeout",
+                [
                     raw.plugin_wait_timeout,
-                    DEFAULT_PLUGIN_WAIT_TIMEOUT,
-                )?,
-                probe_interval: dur("probe_interval", raw.probe_interval, DEFAULT_PROBE_INTERVAL)?,
-                claim_retry_deadline: dur(
-                    "claim_retry_deadline",
+                    raw.probe_interval,
                     raw.claim_retry_deadline,
-                    DEFAULT_CLAIM_RETRY_DEADLINE,
-                )?,
-                mount_retry_deadline: dur(
-                    "mount_retry_deadline",
                     raw.mount_retry_deadline,
-                    DEFAULT_MOUNT_RETRY_DEADLINE,
-                )?,
-                release_retry_deadline: dur(
-                    "release_retry_deadline",
                     raw.release_retry_deadline,
-                    DEFAULT_RELEASE_RETRY_DEADLINE,
-                )?,
-            },
+                ],
+            )?,
         })
     }
 }
 
-/// A plugin endpoint as plugins and CSI tooling write it: `unix:///abs`,
-/// `unix:/abs`, or a plain absolute path. Other schemes are refused by
-/// name (CSI plugins listen on unix sockets).
+/// Where a section's fields are read from, for its errors: the file and
+/// the section's prefix (`cluster.`; empty for the agent's own fields).
+pub(crate) struct Fields<'a> {
+    path: &'a Path,
+    prefix: &'static str,
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn new(path: &'a Path, prefix: &'static str) -> Fields<'a> {
+        Fields { path, prefix }
+    }
+
+    /// The error of `field` (without the section's prefix).
+    pub(crate) fn err(&self, field: &str, problem: String) -> ConfigError {
+        ConfigError::Field {
+            path: self.path.to_path_buf(),
+            field: format!("{}{field}", self.prefix),
+            problem,
+        }
+    }
+
+    /// A duration greater than zero, or `default` when the field is left
+    /// out.
+    pub(crate) fn dur(
+        &self,
+        field: &str,
+        v: Option<String>,
+        default: Duration,
+    ) -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(s) => match parse_duration(&s) {
+                Ok(d) if d > Duration::ZERO => Ok(d),
+                Ok(_) => Err(self.err(field, "must be greater than zero".into())),
+                Err(e) => Err(self.err(field, e)),
+            },
+        }
+    }
+
+    /// An absolute path, or `default` when the field is left out.
+    fn abs(&self, field: &str, p: Option<PathBuf>, default: &str) -> Result<PathBuf, ConfigError> {
+        let p = p.unwrap_or_else(|| PathBuf::from(default));
+        check_abs(&p).map_err(|problem| self.err(field, problem))?;
+        Ok(p)
+    }
+}
+
+/// The `plugins` list: valid IDs and endpoints, and no two entries serving
+/// the same side (node, controller) of one plugin ID.
+fn parse_plugins(f: &Fields<'_>, raw: Vec<RawPlugin>) -> Result<Vec<PluginConfig>, ConfigError> {
+    let mut plugins = Vec::new();
+    let mut roles: HashSet<(String, &'static str)> = HashSet::new();
+    for (i, p) in raw.into_iter().enumerate() {
+        crate::ids::check_id("plugin", &p.id)
+            .map_err(|e| f.err(&format!("plugins[{i}].id"), e.to_string()))?;
+        let socket =
+            parse_endpoint(&p.socket).map_err(|e| f.err(&format!("plugins[{i}].socket"), e))?;
+        let mut claimed = Vec::new();
+        if p.plugin_type.serves_node() {
+            claimed.push("node");
+        }
+        if p.plugin_type.serves_controller() {
+            claimed.push("controller");
+        }
+        for role in claimed {
+            if !roles.insert((p.id.clone(), role)) {
+                return Err(f.err(
+                    &format!("plugins[{i}].id"),
+                    format!(
+                        "duplicate plugin ID {:?}: another entry already serves its {role} side",
+                        p.id
+                    ),
+                ));
+            }
+        }
+        plugins.push(PluginConfig {
+            id: p.id,
+            plugin_type: p.plugin_type,
+            socket,
+        });
+    }
+    Ok(plugins)
+}
+
+/// The timeouts besides `csi_call_timeout` (read earlier: the cluster's
+/// margins need it): plugin wait, probe interval, claim, mount and
+/// release retry deadlines, as written in the file.
+fn parse_timeouts(
+    f: &Fields<'_>,
+    csi_call: Duration,
+    [plugin_wait, probe_interval, claim_retry, mount_retry, release_retry]: [Option<String>; 5],
+) -> Result<Timeouts, ConfigError> {
+    Ok(Timeouts {
+        csi_call,
+        plugin_wait: f.dur(
+            "plugin_wait_timeout",
+            plugin_wait,
+            DEFAULT_PLUGIN_WAIT_TIMEOUT,
+        )?,
+        probe_interval: f.dur("probe_interval", probe_interval, DEFAULT_PROBE_INTERVAL)?,
+        claim_retry_deadline: f.dur(
+            "claim_retry_deadline",
+            claim_retry,
+            DEFAULT_CLAIM_RETRY_DEADLINE,
+        )?,
+        mount_retry_deadline: f.dur(
+            "mount_retry_deadline",
+            mount_retry,
+            DEFAULT_MOUNT_RETRY_DEADLINE,
+        )?,
+        release_retry_deadline: f.dur(
+            "release_retry_deadline",
+            release_retry,
+            DEFAULT_RELEASE_RETRY_DEADLINE,
+        )?,
+    })
+}
+
 /// An `IP:port` listen address (`127.0.0.1:9432`, `[::1]:9432`); host
 /// names are refused (the listener must not depend on name resolution).
 pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
@@ -612,6 +418,9 @@ pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
     Ok(a)
 }
 
+/// A plugin endpoint as plugins and CSI tooling write it: `unix:///abs`,
+/// `unix:/abs`, or a plain absolute path. Other schemes are refused by
+/// name (CSI plugins listen on unix sockets).
 pub fn parse_endpoint(s: &str) -> Result<PathBuf, String> {
     let path = match s.split_once(':') {
         Some((scheme, rest)) if !s.starts_with('/') => {

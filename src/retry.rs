@@ -44,6 +44,13 @@ impl Backoff {
         }
     }
 
+    /// Delays only, for a loop that retries until the agent stops: use
+    /// `next_delay` with `Shutdown::sleep`. It has no deadline, so `wait`
+    /// on it ends at once (`Interrupted::Deadline`).
+    pub fn delays(policy: BackoffPolicy) -> Backoff {
+        Backoff::new(policy, Instant::now())
+    }
+
     /// Starts over (a step went through): the next wait is the initial
     /// one again, so one step's failures never lengthen the next step's
     /// first retry. The deadline stays.

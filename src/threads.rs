@@ -65,6 +65,15 @@ impl Threads {
         name: impl Into<String>,
         f: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<()> {
+        self.spawn_id(name, f).map(|_| ())
+    }
+
+    /// Like `spawn`; answers the thread's ID, for `take`.
+    pub fn spawn_id(
+        &mut self,
+        name: impl Into<String>,
+        f: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<u64> {
         self.reap();
         let name = name.into();
         let id = self.next_id;
@@ -74,7 +83,14 @@ impl Threads {
             let _ = done.send(id);
         })?;
         self.handles.push((id, name, handle));
-        Ok(())
+        Ok(id)
+    }
+
+    /// Takes thread `id` out of the set (None when it was joined already),
+    /// for its owner to join it outside whatever lock guards the set.
+    pub fn take(&mut self, id: u64) -> Option<JoinHandle<()>> {
+        let i = self.handles.iter().position(|(n, _, _)| *n == id)?;
+        Some(self.handles.swap_remove(i).2)
     }
 
     /// Joins every thread that finishes before `deadline`; returns the names

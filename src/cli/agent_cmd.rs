@@ -1,13 +1,15 @@
 //! `claimd agent`: runs the node agent until SIGTERM or SIGINT.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 
 use super::error::CliError;
-use crate::agent::{dev_dir, Agent};
+use crate::agent::{dev_dir, Agent, STOP_SLACK};
 use crate::config::{self, Config};
 use crate::shutdown::Shutdown;
+use crate::threads::Threads;
 
 pub fn help() -> String {
     format!(
@@ -135,11 +137,16 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
         .map_err(|source| CliError::Signals { source })?;
     let handle = signals.handle();
+    // The signals thread ends once its handle is closed.
+    let mut threads = Threads::new();
+    let close_signals = |threads: Threads| {
+        handle.close();
+        let _ = threads.join_until(Instant::now() + STOP_SLACK);
+    };
     {
         let shutdown = shutdown.clone();
-        std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || {
+        threads
+            .spawn("signals", move || {
                 if let Some(sig) = signals.forever().next() {
                     log::info!("signal {sig} received: stopping");
                     let _ = stop_tx.try_send(());
@@ -160,7 +167,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         Ok(a) => a,
         Err(e) => {
             shutdown.trigger();
-            handle.close();
+            close_signals(threads);
             return Err(CliError::AgentStart { source: e.into() });
         }
     };
@@ -170,6 +177,6 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         recv(shutdown.receiver()) -> _ => {},
     }
     agent.stop();
-    handle.close();
+    close_signals(threads);
     Ok(())
 }

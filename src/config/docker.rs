@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{check_abs, parse_duration, ConfigError};
+use super::{check_abs, ConfigError, Fields};
 
 pub const DEFAULT_DOCKER_DRIVER: &str = "claimd";
 pub const DEFAULT_DOCKER_MOUNT_TIMEOUT: Duration = Duration::from_secs(90);
@@ -78,34 +78,22 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
     let Some(d) = raw else {
         return Ok(None);
     };
-    let field_err = |field: &str, problem: String| ConfigError::Field {
-        path: path.to_path_buf(),
-        field: format!("docker.{field}"),
-        problem,
-    };
-    let dur = |field: &str, v: Option<String>, default: Duration| match v {
-        None => Ok(default),
-        Some(s) => match parse_duration(&s) {
-            Ok(d) if d > Duration::ZERO => Ok(d),
-            Ok(_) => Err(field_err(field, "must be greater than zero".into())),
-            Err(e) => Err(field_err(field, e)),
-        },
-    };
+    let f = Fields::new(path, "docker.");
     let driver = d
         .driver
         .unwrap_or_else(|| DEFAULT_DOCKER_DRIVER.to_string());
-    crate::ids::check_id("driver", &driver).map_err(|e| field_err("driver", e.to_string()))?;
+    crate::ids::check_id("driver", &driver).map_err(|e| f.err("driver", e.to_string()))?;
     let socket = d
         .socket
         .unwrap_or_else(|| PathBuf::from(format!("/run/docker/plugins/{driver}.sock")));
-    check_abs(&socket).map_err(|e| field_err("socket", e))?;
-    let mount_timeout = dur(
+    check_abs(&socket).map_err(|e| f.err("socket", e))?;
+    let mount_timeout = f.dur(
         "mount_timeout",
         d.mount_timeout,
         DEFAULT_DOCKER_MOUNT_TIMEOUT,
     )?;
     if mount_timeout > MAX_DOCKER_MOUNT_TIMEOUT {
-        return Err(field_err(
+        return Err(f.err(
             "mount_timeout",
             format!(
                 "must be at most {}: a Mount given up is undone within {} more, and Docker gives up on a Mount after {} (Podman after its volume_plugin_timeout)",
@@ -119,18 +107,18 @@ pub fn parse(path: &Path, raw: Option<RawDocker>) -> Result<Option<DockerConfig>
         .engine_sockets
         .unwrap_or_else(|| DEFAULT_ENGINE_SOCKETS.iter().map(PathBuf::from).collect());
     for s in &engine_sockets {
-        check_abs(s).map_err(|e| field_err("engine_sockets", e))?;
+        check_abs(s).map_err(|e| f.err("engine_sockets", e))?;
     }
     Ok(Some(DockerConfig {
         engine_sockets,
         socket,
         mount_timeout,
-        unused_check_interval: dur(
+        unused_check_interval: f.dur(
             "unused_check_interval",
             d.unused_check_interval,
             DEFAULT_DOCKER_UNUSED_CHECK,
         )?,
-        engine_mount_timeout: dur(
+        engine_mount_timeout: f.dur(
             "engine_mount_timeout",
             d.engine_mount_timeout,
             DEFAULT_ENGINE_MOUNT_TIMEOUT,

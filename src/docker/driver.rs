@@ -5,8 +5,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 
 use super::options::{self, Definition, OptionError};
@@ -20,6 +22,7 @@ use crate::lifecycle::{
     Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
 };
 use crate::state::{Phase, StateError};
+use crate::threads::Threads;
 use crate::volumes::{VolumeRequest, VolumeSpec};
 
 /// Every allocation of a Docker or Podman mount starts with this (the local
@@ -186,6 +189,46 @@ pub struct Driver {
     pub turns: Turns,
     /// The registrations and the plugin's notes, as the agent holds them.
     pub view: View,
+    /// The threads that run the Mounts.
+    pub mounts: MountThreads,
+}
+
+/// The mount threads (`docker-mount-<volume>`), shared by the request
+/// threads: each is joined once its mount has answered; one that outlives
+/// a given-up Mount's wait goes on, counted here, until it ends (joined by
+/// the next Mount) or the plugin's stop joins it.
+#[derive(Clone)]
+pub struct MountThreads(Arc<Mutex<Option<Threads>>>);
+
+impl Default for MountThreads {
+    fn default() -> Self {
+        MountThreads(Arc::new(Mutex::new(Some(Threads::new()))))
+    }
+}
+
+impl MountThreads {
+    /// Starts a mount thread; refused once the plugin has stopped.
+    fn spawn(&self, name: String, f: impl FnOnce() + Send + 'static) -> std::io::Result<u64> {
+        match &mut *self.0.lock() {
+            Some(t) => t.spawn_id(name, f),
+            None => Err(std::io::Error::other("the Docker plugin is stopping")),
+        }
+    }
+
+    /// Joins mount thread `id` (its mount has answered), outside the lock.
+    fn join(&self, id: u64) {
+        let handle = self.0.lock().as_mut().and_then(|t| t.take(id));
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+
+    /// At the plugin's stop: joins every mount thread that ends before
+    /// `deadline` and names those still running; no mount starts after.
+    pub fn join_until(&self, deadline: Instant) -> Vec<String> {
+        let threads = self.0.lock().take();
+        threads.map(|t| t.join_until(deadline)).unwrap_or_default()
+    }
 }
 
 impl Driver {
@@ -466,20 +509,15 @@ impl Driver {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let (lc, a) = (self.lifecycle.clone(), alloc.clone());
         // The mount runs on its own thread so that this one can answer
-        // within the engine's patience; it is joined once it has answered.
-        let mut worker = Some(
-            std::thread::Builder::new()
-                .name(format!("docker-mount-{name}"))
-                .spawn(move || {
-                    let _ = tx.send(lc.mount(&a, &[req]));
-                })
-                .map_err(|e| DriverError::Invalid(format!("cannot start a mount thread: {e}")))?,
-        );
-        let mut join = || {
-            if let Some(w) = worker.take() {
-                let _ = w.join();
-            }
-        };
+        // within the engine's patience; it is joined once it has answered,
+        // and by the plugin's stop if it outlives a given-up Mount.
+        let worker = self
+            .mounts
+            .spawn(format!("docker-mount-{name}"), move || {
+                let _ = tx.send(lc.mount(&a, &[req]));
+            })
+            .map_err(|e| DriverError::Invalid(format!("cannot start a mount thread: {e}")))?;
+        let join = || self.mounts.join(worker);
         let answer = rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
         if answer.is_ok() {
             join();
@@ -520,7 +558,7 @@ impl Driver {
                 match rx.recv_timeout(GIVE_UP_WAIT) {
                     Ok(_) => join(),
                     Err(_) => log::warn!(
-                        "volume {name}: the mount of allocation {alloc} has not ended {GIVE_UP_WAIT:?} after it was given up; leaving its thread"
+                        "volume {name}: the mount of allocation {alloc} has not ended {GIVE_UP_WAIT:?} after it was given up; it goes on, and the plugin's stop joins its thread"
                     ),
                 }
                 self.lifecycle.wait_released(&alloc, GIVE_UP_WAIT);

@@ -1,7 +1,8 @@
 //! The protocol's HTTP server: tiny_http on a unix socket (mode 0600; the
 //! engines run as root), one thread `docker-plugin` taking requests, and
 //! every request on its own named thread (`docker-<endpoint>`), so a Mount
-//! waiting for a claim never holds up a List. Failures are answered with
+//! waiting for a claim never holds up a List; a Mount's own work runs on
+//! `docker-mount-<volume>` (`driver::MountThreads`), joined at the stop. Failures are answered with
 //! HTTP 500 and `{"Err": "..."}`: Docker reads `Err` from any answer,
 //! Podman only from one that is not 200.
 
@@ -88,6 +89,7 @@ pub fn start(
         view,
         mount_timeout: config.mount_timeout,
         turns,
+        mounts: super::driver::MountThreads::default(),
     };
     log::info!(
         "Docker volume plugin {} listening on {}",
@@ -160,9 +162,15 @@ fn serve(server: tiny_http::Server, driver: Driver, stop: Shutdown) {
     }
     // Dropping the server closes the socket and removes its file.
     drop(server);
-    let left = requests.join_until(Instant::now() + STOP_WAIT);
+    let deadline = Instant::now() + STOP_WAIT;
+    let left = requests.join_until(deadline);
     if !left.is_empty() {
         log::warn!("Docker plugin requests still running: {}", left.join(", "));
+    }
+    // Mounts that outlived a given-up Mount end with the agent's stop too.
+    let left = driver.mounts.join_until(deadline);
+    if !left.is_empty() {
+        log::warn!("Docker plugin mounts still running: {}", left.join(", "));
     }
 }
 

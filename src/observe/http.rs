@@ -15,8 +15,6 @@
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::metrics::text::CONTENT_TYPE;
@@ -72,7 +70,10 @@ fn wait_readable(listener: &TcpListener, timeout: Duration) -> bool {
 }
 
 fn accept_loop(listener: TcpListener, observer: Observer, stop: Shutdown) {
-    let active = Arc::new(AtomicUsize::new(0));
+    // The connection threads, MAX_CONNECTIONS at most: each ends within
+    // REQUEST_TIMEOUT plus WRITE_TIMEOUT whatever the client does, and is
+    // joined at the next accept after it ended, or at the stop.
+    let mut conns = Threads::new();
     while !stop.is_triggered() {
         if !wait_readable(&listener, ACCEPT_POLL) {
             continue;
@@ -87,26 +88,27 @@ fn accept_loop(listener: TcpListener, observer: Observer, stop: Shutdown) {
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            active.fetch_sub(1, Ordering::SeqCst);
+        conns.reap();
+        if conns.len() >= MAX_CONNECTIONS {
             let _ = answer_busy(stream);
             continue;
         }
-        let (o, a) = (observer.clone(), active.clone());
-        // A detached thread: it ends within REQUEST_TIMEOUT plus
-        // WRITE_TIMEOUT whatever the client does.
-        let spawned = std::thread::Builder::new()
-            .name("metrics-conn".into())
-            .spawn(move || {
-                if let Err(e) = serve(stream, &o) {
-                    log::debug!("metrics listener: {e}");
-                }
-                a.fetch_sub(1, Ordering::SeqCst);
-            });
+        let o = observer.clone();
+        let spawned = conns.spawn("metrics-conn", move || {
+            if let Err(e) = serve(stream, &o) {
+                log::debug!("metrics listener: {e}");
+            }
+        });
         if let Err(e) = spawned {
-            active.fetch_sub(1, Ordering::SeqCst);
             log::warn!("metrics listener: cannot start a connection thread: {e}");
         }
+    }
+    let left = conns.join_until(Instant::now() + REQUEST_TIMEOUT + WRITE_TIMEOUT);
+    if !left.is_empty() {
+        log::warn!(
+            "metrics listener: {} connection(s) still open at the stop",
+            left.len()
+        );
     }
 }
 

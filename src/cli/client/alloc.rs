@@ -93,19 +93,18 @@ pub(super) fn alloc_mount(c: &Call) -> Result<(), CliError> {
     // Show what the mount waits on (a plugin, a held claim) while it runs;
     // the mount goes on without it if the thread cannot start.
     let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
-    let progress = {
+    let mut progress = crate::threads::Threads::new();
+    {
         let socket = api.socket.clone();
         let alloc_id = alloc_id.clone();
-        std::thread::Builder::new()
-            .name("progress".into())
-            .spawn(move || show_progress(&socket, &alloc_id, &done_rx))
-            .ok()
-    };
+        let _ = progress.spawn("progress", move || {
+            show_progress(&socket, &alloc_id, &done_rx)
+        });
+    }
     let result = api.call("mount", timeout, |a, o| a.mount_alloc(&req, o));
     drop(done_tx);
-    if let Some(p) = progress {
-        let _ = p.join();
-    }
+    // It ends once its last status call answers.
+    let _ = progress.join_until(Instant::now() + QUICK_CALL_TIMEOUT + PROGRESS_POLL);
     let r = result?;
     if c.json() {
         let vols: Vec<Value> = r
