@@ -175,7 +175,7 @@ impl Agent {
                     }
                 );
                 let instance = crate::claims::fencing::instance_id(&config.state_dir)
-                    .map_err(AgentError::Identity)?;
+                    .map_err(|e| AgentError::Identity(crate::error_chain(&e)))?;
                 log::info!(
                     "cluster: this node is {} (instance {instance})",
                     config.node_name
@@ -191,7 +191,7 @@ impl Agent {
                             config.timeouts.csi_call,
                         ),
                     )
-                    .map_err(AgentError::Identity)?,
+                    .map_err(|e| AgentError::Identity(crate::error_chain(&e)))?,
                 );
                 let etcd_claims = Arc::new(
                     EtcdClaims::new(client.clone(), &c.prefix, store.clone())
