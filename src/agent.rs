@@ -199,6 +199,9 @@ impl Agent {
                         .with_fencing(fencing.clone())
                         .with_freed_retention(c.freed_note_retention),
                 );
+                etcd_claims
+                    .start_marker(&mut threads, shutdown.clone())
+                    .map_err(io_err("failed to start the claim marker thread"))?;
                 // Reconciliation runs on its own thread after each
                 // registration, retried with backoff until it has been
                 // done (and its releases started) once per registration.

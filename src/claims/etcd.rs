@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 mod changes;
 mod index;
 pub mod keys;
+mod marks;
 mod nodes;
 mod registrations;
 mod schema;
@@ -39,6 +40,9 @@ pub(crate) use registrations::parse_spec;
 
 pub use index::NodeClaims;
 pub use keys::Keys;
+pub use marks::MARKER_THREAD;
+
+use marks::Marks;
 
 use serde::{Deserialize, Serialize};
 
@@ -237,6 +241,8 @@ pub(super) struct Shared {
     /// Volume -> (mod revision, storage) of its registration as this node
     /// last read it: what a take compares (`registration_for`).
     pub(super) registrations: Mutex<HashMap<String, (i64, super::StorageRef)>>,
+    /// The claim states waiting to be written (`marks.rs`).
+    marks: Marks,
 }
 
 impl EtcdClaims {
@@ -257,6 +263,7 @@ impl EtcdClaims {
                 freed_retention: DEFAULT_FREED_NOTE_RETENTION,
                 attachments_seen: Default::default(),
                 registrations: Default::default(),
+                marks: Marks::default(),
             }),
         }
     }
@@ -419,14 +426,15 @@ impl EtcdClaims {
                 }
                 Ok(())
             }
-            // Informational (the claim stays held either way): made in the
-            // background, so a release with etcd cut off starts its node
-            // side at once instead of waiting out the call deadline.
+            // Informational (the claim stays held either way): queued for
+            // the marker thread (`marks.rs`), so a release with etcd cut off
+            // starts its node side at once instead of waiting out the call
+            // deadline.
             ClaimChange::MarkReleasing {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing, None);
+                self.mark(volume_id, alloc_id, ClaimState::Releasing, None);
                 Ok(())
             }
             ClaimChange::MarkNodeDetached {
@@ -434,7 +442,7 @@ impl EtcdClaims {
                 alloc_id,
                 error,
             } => {
-                self.mark_in_background(
+                self.mark(
                     volume_id,
                     alloc_id,
                     ClaimState::NodeDetached,
@@ -455,38 +463,6 @@ impl EtcdClaims {
                 *while_gone,
                 by_hand.as_deref(),
             ),
-        }
-    }
-
-    fn mark_in_background(
-        &self,
-        volume_id: &str,
-        alloc_id: &str,
-        state: ClaimState,
-        error: Option<String>,
-    ) {
-        let (this, v, a) = (self.clone(), volume_id.to_string(), alloc_id.to_string());
-        let spawned = std::thread::Builder::new()
-            .name(format!("etcd-mark-{v}"))
-            .spawn(move || {
-                let mark = |c: &mut Claim| {
-                    // A late `releasing` never hides a later `node-detached`.
-                    if state == ClaimState::Releasing && c.state == ClaimState::NodeDetached {
-                        return;
-                    }
-                    c.state = state;
-                    if error.is_some() {
-                        c.last_error = error.clone();
-                    }
-                };
-                if let Err(e) = this.update(&v, &a, mark) {
-                    log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
-                }
-            });
-        if let Err(e) = spawned {
-            log::warn!(
-                "cluster: cannot mark the claim of {volume_id} by {alloc_id} releasing: {e}"
-            );
         }
     }
 }
