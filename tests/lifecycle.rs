@@ -145,7 +145,7 @@ fn assert_all_released_leaving(h: &Harness, tree: &[String]) {
     let st = h.state_on_disk();
     assert!(st.allocs.is_empty(), "records left: {:?}", st.allocs);
     assert!(st.claims.is_empty(), "claims left: {:?}", st.claims);
-    assert!(h.m().claims().list().is_empty());
+    assert!(h.all_claims().is_empty());
     assert!(h.m().list_allocs().is_empty());
     assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
     assert_eq!(h.tree(), tree);
@@ -226,7 +226,7 @@ fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     assert!(!st.allocs["a1"].releasing);
     let claim = full_claim("v", "a1", ClaimMode::Write, AccessMode::SingleNodeWriter);
     assert_eq!(claim_list(&st), vec![claim.clone()]);
-    assert_eq!(h.m().claims().list(), vec![claim]);
+    assert_eq!(h.all_claims(), vec![claim]);
     assert_eq!(h.claims().claim_calls(), 1);
 
     // Mounting again with the same request answers the same paths and
@@ -309,7 +309,7 @@ fn read_only_request_gives_a_read_only_mount() {
     let e = fs::write(target.join("x"), b"x").expect_err("writing a read-only mount");
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a1",
@@ -356,7 +356,7 @@ fn final_claim_error_mounts_nothing_and_claims_nothing() {
     let st = h.state_on_disk();
     assert!(st.allocs.is_empty(), "{:?}", st.allocs);
     assert!(st.claims.is_empty());
-    assert!(h.m().claims().list().is_empty());
+    assert!(h.all_claims().is_empty());
     assert!(h.m().list_allocs().is_empty());
     assert_eq!(h.tree(), Vec::<String>::new());
     assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
@@ -390,7 +390,7 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
     // Nothing was sent for a2, nothing claimed for it.
     assert_eq!(h.lifecycle_calls().len(), 3);
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a1",
@@ -428,7 +428,7 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
         sorted(vec![h.staging("v"), t2])
     );
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a2",
@@ -563,7 +563,7 @@ fn two_allocations_share_one_staging_and_one_attachment() {
         BTreeMap::from([(external_id("v"), vec![PLUGIN_NODE_ID.to_string()])])
     );
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a2",
@@ -1556,12 +1556,12 @@ fn restore_does_not_block_on_a_claim_held_by_another_allocation() {
         h.m().mounted("a2").len() == 1
     });
     assert!(is_mount_point(&t2));
-    assert_eq!(h.m().claims().list().len(), 1);
-    assert_eq!(h.m().claims().list()[0].alloc_id, "a2");
+    assert_eq!(h.all_claims().len(), 1);
+    assert_eq!(h.all_claims()[0].alloc_id, "a2");
     h.m().release("a2").expect("release a2");
     assert!(h.m().wait_released("a2", WAIT));
     assert!(mount_points_under(&h.mount_root).is_empty());
-    assert!(h.m().claims().list().is_empty());
+    assert!(h.all_claims().is_empty());
 }
 
 // ---- CSI conformance (issue 12) ------------------------------------------------
@@ -1761,8 +1761,7 @@ fn a_detach_being_retried_shows_the_claim_node_detached() {
     ]));
     h.m().release("a1").expect("release");
     let claim = || {
-        h.m()
-            .list_claims()
+        h.all_claims()
             .into_iter()
             .find(|c| c.volume_id == "v" && c.alloc_id == "a1")
     };
@@ -2120,7 +2119,7 @@ fn remote_store_unreachable_during_mount_is_retried_and_claims_stay_remote() {
             "{log:?}"
         );
         assert_eq!(local_claims(&h), 0, "claims are never in the local state");
-        let claims = h.m().claims().list();
+        let claims = h.all_claims();
         assert_eq!(claims.len(), 1);
         assert_eq!(claims[0].state, ClaimState::Taken);
         assert_eq!(

@@ -47,8 +47,8 @@ use marks::Marks;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, RemoteControllers,
-    SharedVolumes, Transaction,
+    check_claim, Applied, ClaimChange, ClaimError, ClaimFilter, ClaimRequest, ClaimStore, Listing,
+    RemoteControllers, SharedVolumes, Transaction,
 };
 use crate::etcd::{Compare, EtcdClient, EtcdError, KeyValue, TxnOp};
 use crate::state::{Claim, ClaimState, StateError, StateFile, StateStore};
@@ -549,33 +549,12 @@ impl ClaimStore for EtcdClaims {
         Ok(Applied::NotWanted)
     }
 
-    fn list(&self) -> Vec<Claim> {
-        match self.try_list() {
-            Ok(v) => v,
-            Err(e) => {
-                log::warn!("cannot list the claims: {e}");
-                Vec::new()
-            }
+    /// One read of `claims/` (every volume's) or of `claims/<volume>/`.
+    fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError> {
+        match filter.volume {
+            Some(volume_id) => self.list_prefix(&self.volume_prefix(volume_id)),
+            None => self.list_prefix(&self.all_prefix()),
         }
-    }
-
-    /// Every valid claim; a value that is not a claim is left out with a
-    /// warning naming its key (a take on its volume fails naming it).
-    fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
-        let (claims, problems) = self.list_with_problems()?;
-        for p in problems {
-            log::warn!("{p}");
-        }
-        Ok(claims)
-    }
-
-    /// One read of `claims/<volume>/`.
-    fn list_volume(&self, volume_id: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        self.list_prefix(&self.volume_prefix(volume_id))
-    }
-
-    fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        self.list_prefix(&self.all_prefix())
     }
 
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
@@ -688,7 +667,7 @@ impl ClaimStore for EtcdClaims {
 
 impl EtcdClaims {
     /// The valid claims under `prefix`, and a line per value that is not one.
-    fn list_prefix(&self, prefix: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
+    fn list_prefix(&self, prefix: &str) -> Result<Listing, ClaimError> {
         let r = self
             .shared
             .client
@@ -705,7 +684,7 @@ impl EtcdClaims {
                 Err(e) => problems.push(e.to_string()),
             }
         }
-        Ok((claims, problems))
+        Ok(Listing { claims, problems })
     }
 }
 
