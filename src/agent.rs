@@ -264,8 +264,8 @@ fn join_cluster(
     shutdown: &Shutdown,
 ) -> Result<Member, AgentError> {
     let client = crate::cluster::connect(c).map_err(AgentError::Cluster)?;
-    let instance =
-        crate::claims::fencing::instance_id(&config.state_dir).map_err(AgentError::Identity)?;
+    let instance = crate::claims::fencing::instance_id(&config.state_dir)
+        .map_err(|e| AgentError::Identity(crate::error_chain(&e)))?;
     log::info!(
         "cluster: this node is {} (instance {instance})",
         config.node_name
@@ -281,7 +281,7 @@ fn join_cluster(
                 config.timeouts.csi_call,
             ),
         )
-        .map_err(AgentError::Identity)?,
+        .map_err(|e| AgentError::Identity(crate::error_chain(&e)))?,
     );
     Ok(Member::join(
         JoinParts {

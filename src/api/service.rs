@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use super::convert::*;
 use super::{grpc, wire as w, MAX_RELEASE_WAIT, REPLY_TIMEOUT};
+use crate::claims::ClaimFilter;
 use crate::lifecycle::{
     Lifecycle, MountError, ReleaseError, ReleaseStart, VolumeOpError, VolumeRegistryError,
 };
@@ -390,15 +391,17 @@ impl grpc::Claimd for Service {
     ) {
         self.run(&ctx, "list-claims", sink, move |s| {
             // One volume's claims are read alone, never with every other.
-            let (claims, problems) = if req.volume_id.is_empty() {
-                s.lifecycle.try_list_claims()
-            } else {
-                s.lifecycle.volume_claims(&req.volume_id)
-            }
-            .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
+            let filter = match req.volume_id.as_str() {
+                "" => ClaimFilter::ALL,
+                volume_id => ClaimFilter::volume(volume_id),
+            };
+            let listing = s
+                .lifecycle
+                .list_claims(filter)
+                .map_err(|e| status(RpcStatusCode::UNAVAILABLE, crate::error_chain(&e)))?;
             let mut r = w::ListClaimsResponse::new();
-            r.problems = problems;
-            r.claims = claims.iter().map(claim_to_wire).collect();
+            r.problems = listing.problems;
+            r.claims = listing.claims.iter().map(claim_to_wire).collect();
             // One liveness read per holder node (cluster mode only).
             let mut alive = std::collections::BTreeMap::new();
             for c in &mut r.claims {

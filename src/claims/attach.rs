@@ -110,7 +110,7 @@ impl EtcdClaims {
         guard: &[Compare],
     ) -> Result<(AttachmentRecord, i64), ClaimError> {
         let key = self.attachment_key(&req.volume_id, &req.node);
-        let mut current = self.attachments_seen.lock().get(&key).cloned();
+        let mut current = self.shared.attachments_seen.lock().get(&key).cloned();
         // The revision of a read made in this call (0: `current` is only
         // an earlier sight).
         let mut read_at = 0;
@@ -185,7 +185,7 @@ impl EtcdClaims {
 
     /// Remembers this node's last sight of its request `key` (None: gone).
     fn saw(&self, key: &str, rec: Option<&(i64, AttachmentRecord)>) {
-        let mut seen = self.attachments_seen.lock();
+        let mut seen = self.shared.attachments_seen.lock();
         match rec {
             Some(r) => {
                 seen.insert(key.to_string(), r.clone());
@@ -393,7 +393,7 @@ impl RemoteControllers for EtcdClaims {
 
     fn controller_of(&self, plugin_id: &str) -> Result<Option<RemoteController>, ClaimError> {
         let (need_watch, old) = {
-            let mut cache = self.controllers.lock();
+            let mut cache = self.shared.controllers.lock();
             // Events, an ended watch, or a watch etcd has not answered on
             // lately (a member cut off from its quorum): the answers are
             // not trusted; read again.
@@ -429,13 +429,13 @@ impl RemoteControllers for EtcdClaims {
                     0,
                 )
                 .ok();
-            let mut cache = self.controllers.lock();
+            let mut cache = self.shared.controllers.lock();
             if cache.watcher.is_none() && w.is_some() {
                 cache.watcher = w;
                 cache.generation += 1;
             }
         }
-        let generation = self.controllers.lock().generation;
+        let generation = self.shared.controllers.lock().generation;
         let r = self
             .client()
             .range_prefix(self.keys().controller_hosts(plugin_id))
@@ -450,7 +450,7 @@ impl RemoteControllers for EtcdClaims {
                 });
             }
         }
-        let mut cache = self.controllers.lock();
+        let mut cache = self.shared.controllers.lock();
         // Kept only while the watch that was running before the read still
         // runs (a change after the read shows as its event).
         if cache.watcher.is_some() && cache.generation == generation {
@@ -559,9 +559,13 @@ impl EtcdClaims {
                 .map_or(Duration::ZERO, Duration::from_millis)
         };
         let hosts = self.keys().controller_hosts(plugin_id);
-        let r = self.client.range_prefix(&hosts).map_err(unavailable)?;
+        let r = self
+            .shared
+            .client
+            .range_prefix(&hosts)
+            .map_err(unavailable)?;
         let settings = self.keys().settings(node);
-        let own_node = self.client.get(&settings).map_err(unavailable)?;
+        let own_node = self.shared.client.get(&settings).map_err(unavailable)?;
         let published = r
             .kvs
             .iter()

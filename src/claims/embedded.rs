@@ -5,7 +5,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::{check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, Transaction};
+use super::{
+    check_claim, Applied, ClaimChange, ClaimError, ClaimFilter, ClaimRequest, ClaimStore, Listing,
+    Transaction,
+};
 use crate::state::{Claim, ClaimState, StateError, StateFile, StateStore};
 
 /// Claims kept in the state (one node).
@@ -44,13 +47,30 @@ impl ClaimStore for EmbeddedClaims {
         }
     }
 
-    fn list(&self) -> Vec<Claim> {
-        self.state
-            .read(|s| s.claims.values().map(|c| (**c).clone()).collect())
+    fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError> {
+        let claims = self.state.read(|s| {
+            s.claims
+                .values()
+                .filter(|c| filter.admits(c))
+                .map(|c| (**c).clone())
+                .collect()
+        });
+        Ok(Listing {
+            claims,
+            problems: Vec::new(),
+        })
     }
 
     fn local_claims(&self) -> Option<Vec<Claim>> {
-        Some(self.list())
+        Some(self.all())
+    }
+}
+
+impl EmbeddedClaims {
+    /// Every claim in the state.
+    fn all(&self) -> Vec<Claim> {
+        self.state
+            .read(|s| s.claims.values().map(|c| (**c).clone()).collect())
     }
 }
 
@@ -203,7 +223,12 @@ mod tests {
         change(&claims, ClaimChange::Take(r.clone())).expect("first");
         assert_eq!(store.read(|s| s.boot_id.clone()), "after-take");
         change(&claims, ClaimChange::Take(r.clone())).expect("again: idempotent");
-        assert_eq!(claims.list().len(), 1);
+        assert_eq!(claims.all().len(), 1);
+        let of_v = claims.list_claims(ClaimFilter::volume("v")).expect("list");
+        assert_eq!(of_v.claims, claims.all());
+        assert_eq!(claims.list_claims(ClaimFilter::ALL).expect("list"), of_v);
+        let of_w = claims.list_claims(ClaimFilter::volume("w")).expect("list");
+        assert_eq!(of_w, Listing::default());
         let e = change(&claims, ClaimChange::Take(req("b", "n1", Write))).expect_err("held");
         assert!(e.is_retryable());
         let mut unknown = r.clone();
@@ -222,7 +247,7 @@ mod tests {
         change(&claims, free.clone()).expect("free");
         change(&claims, free).expect("free again");
         change(&claims, ClaimChange::Take(req("b", "n1", Write))).expect("free now");
-        assert_eq!(claims.list()[0].alloc_id, "b");
+        assert_eq!(claims.all()[0].alloc_id, "b");
         // Not wanted: nothing changes, not even the record.
         let before = store.snapshot();
         let applied = claims

@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 mod changes;
 mod index;
 pub mod keys;
+mod marks;
 mod nodes;
 mod registrations;
 mod schema;
@@ -39,12 +40,15 @@ pub(crate) use registrations::parse_spec;
 
 pub use index::NodeClaims;
 pub use keys::Keys;
+pub use marks::MARKER_THREAD;
+
+use marks::Marks;
 
 use serde::{Deserialize, Serialize};
 
 use super::{
-    check_claim, Applied, ClaimChange, ClaimError, ClaimRequest, ClaimStore, RemoteControllers,
-    SharedVolumes, Transaction,
+    check_claim, Applied, ClaimChange, ClaimError, ClaimFilter, ClaimRequest, ClaimStore, Listing,
+    RemoteControllers, SharedVolumes, Transaction,
 };
 use crate::etcd::{Compare, EtcdClient, EtcdError, KeyValue, TxnOp};
 use crate::state::{Claim, ClaimState, StateError, StateFile, StateStore};
@@ -183,8 +187,18 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Claims in etcd, shared by the cluster.
+/// Claims in etcd, shared by the cluster. A clone is another handle on
+/// the same store: everything it keeps (settings, caches, what is in
+/// flight) is in one `Shared` behind one `Arc`, so no clone can split it.
+#[derive(Clone)]
 pub struct EtcdClaims {
+    pub(super) shared: Arc<Shared>,
+}
+
+/// What every handle of one `EtcdClaims` shares. The settings (`node`,
+/// `fencing`, `freed_retention`) are set by the builder methods before the
+/// store is first cloned; the rest changes behind its own lock.
+pub(super) struct Shared {
     pub(super) client: EtcdClient,
     /// Every key under `cluster.prefix`.
     pub(super) keys: Keys,
@@ -194,7 +208,7 @@ pub struct EtcdClaims {
     /// (read first only when the compare fails: changed elsewhere, or not
     /// known since a restart; the start-up reconciliation fills it with
     /// what its read found of this instance's claims).
-    pub(super) known: Arc<Mutex<HashMap<String, (i64, StoredClaim)>>>,
+    pub(super) known: Mutex<HashMap<String, (i64, StoredClaim)>>,
     /// Which plugins have a controller host, as last read, and when.
     pub(super) controllers: super::remote::ControllerCache,
     /// This node's name (requests it forwards name it).
@@ -205,79 +219,91 @@ pub struct EtcdClaims {
     /// The revision of the last read of each volume's claims by a take: a
     /// watch made after a refusal starts right after it (no change in
     /// between is missed).
-    take_reads: Arc<Mutex<HashMap<String, i64>>>,
+    take_reads: Mutex<HashMap<String, i64>>,
     /// (volume, allocation) -> (node, liveness revision compared) of takes
     /// whose `Txn` did not answer (a timeout: it may still land). Freeing
     /// one first moves the liveness key past that revision, so a take still
     /// in flight can never land after the free looked (`changes.rs`).
-    pub(super) uncertain_takes: Arc<Mutex<HashMap<(String, String), UncertainTake>>>,
+    pub(super) uncertain_takes: Mutex<HashMap<(String, String), UncertainTake>>,
     /// Claim key -> its epoch (create revision), as this process took or
     /// read it: the fencing token of attach requests.
-    epochs: Arc<Mutex<HashMap<String, i64>>>,
+    epochs: Mutex<HashMap<String, i64>>,
     /// (volume, allocation) of the takes between their round trip and
     /// their local record (how many of each): the start-up reconciliation
     /// never takes one of these claims for an orphan, whatever the
     /// revisions say (a take's revision is known only once it answered).
-    pub(super) takes_in_flight: Arc<Mutex<InFlightClaims>>,
+    pub(super) takes_in_flight: Mutex<InFlightClaims>,
     /// The TTL of the lease each `freed/` note is written on.
     freed_retention: std::time::Duration,
     /// This node's attach requests as it last wrote or saw them (mod
     /// revision, record): what its next write of one compares against.
-    pub(super) attachments_seen:
-        Arc<Mutex<HashMap<String, (i64, super::remote::AttachmentRecord)>>>,
+    pub(super) attachments_seen: Mutex<HashMap<String, (i64, super::remote::AttachmentRecord)>>,
     /// Volume -> (mod revision, storage) of its registration as this node
     /// last read it: what a take compares (`registration_for`).
-    pub(super) registrations: Arc<Mutex<HashMap<String, (i64, super::StorageRef)>>>,
+    pub(super) registrations: Mutex<HashMap<String, (i64, super::StorageRef)>>,
+    /// The claim states waiting to be written (`marks.rs`).
+    marks: Marks,
 }
 
 impl EtcdClaims {
     pub fn new(client: EtcdClient, prefix: &str, state: Arc<StateStore>) -> EtcdClaims {
         EtcdClaims {
-            client,
-            keys: Keys::new(prefix),
-            state,
-            known: Arc::new(Mutex::new(HashMap::new())),
-            controllers: Default::default(),
-            node: String::new(),
-            fencing: None,
-            take_reads: Default::default(),
-            uncertain_takes: Default::default(),
-            epochs: Default::default(),
-            takes_in_flight: Default::default(),
-            freed_retention: DEFAULT_FREED_NOTE_RETENTION,
-            attachments_seen: Default::default(),
-            registrations: Default::default(),
+            shared: Arc::new(Shared {
+                client,
+                keys: Keys::new(prefix),
+                state,
+                known: Default::default(),
+                controllers: Default::default(),
+                node: String::new(),
+                fencing: None,
+                take_reads: Default::default(),
+                uncertain_takes: Default::default(),
+                epochs: Default::default(),
+                takes_in_flight: Default::default(),
+                freed_retention: DEFAULT_FREED_NOTE_RETENTION,
+                attachments_seen: Default::default(),
+                registrations: Default::default(),
+                marks: Marks::default(),
+            }),
         }
+    }
+
+    /// The settings, for the builder methods: they run on the store as
+    /// `new` made it, before any clone of it exists.
+    fn settings(&mut self) -> &mut Shared {
+        Arc::get_mut(&mut self.shared)
+            .expect("the builder methods of EtcdClaims run before the store is cloned")
     }
 
     /// How long `freed/` notes are kept (`cluster.freed_note_retention`).
     pub fn with_freed_retention(mut self, d: std::time::Duration) -> EtcdClaims {
-        self.freed_retention = d;
+        self.settings().freed_retention = d;
         self
     }
 
     /// A lease for `freed/` notes written now: etcd removes them after the
     /// retention.
     pub(super) fn freed_note_lease(&self) -> Result<crate::etcd::LeaseId, ClaimError> {
-        self.client
-            .lease_grant(self.freed_retention)
+        self.shared
+            .client
+            .lease_grant(self.shared.freed_retention)
             .map_err(unavailable)
     }
 
     /// Checks every call up against `fencing` (see `check_call_up`).
     pub fn with_fencing(mut self, fencing: Arc<super::fencing::Fencing>) -> EtcdClaims {
-        self.fencing = Some(fencing);
+        self.settings().fencing = Some(fencing);
         self
     }
 
     pub fn fencing(&self) -> Option<&Arc<super::fencing::Fencing>> {
-        self.fencing.as_ref()
+        self.shared.fencing.as_ref()
     }
 
     /// A claim this process just wrote or read back: confirmed under the
     /// lease that was valid before the round trip started.
     fn confirmed(&self, volume_id: &str, alloc_id: &str, lease: Option<crate::etcd::LeaseId>) {
-        if let (Some(f), Some(lease)) = (&self.fencing, lease) {
+        if let (Some(f), Some(lease)) = (&self.shared.fencing, lease) {
             f.confirm(volume_id, alloc_id, lease);
         }
     }
@@ -288,12 +314,12 @@ impl EtcdClaims {
     /// is gone is `Impossible`.
     pub fn epoch_of(&self, volume_id: &str, alloc_id: &str) -> Result<i64, ClaimError> {
         let key = self.key(volume_id, alloc_id);
-        if let Some(e) = self.epochs.lock().get(&key) {
+        if let Some(e) = self.shared.epochs.lock().get(&key) {
             return Ok(*e);
         }
-        match self.client.get(&key).map_err(unavailable)? {
+        match self.shared.client.get(&key).map_err(unavailable)? {
             Some(kv) => {
-                self.epochs.lock().insert(key, kv.create_revision);
+                self.shared.epochs.lock().insert(key, kv.create_revision);
                 Ok(kv.create_revision)
             }
             None => Err(ClaimError::Impossible {
@@ -305,7 +331,7 @@ impl EtcdClaims {
 
     /// This node's instance, when the store has one (agents do).
     pub fn instance(&self) -> Option<&str> {
-        self.fencing.as_ref().map(|f| f.instance())
+        self.shared.fencing.as_ref().map(|f| f.instance())
     }
 
     /// The claim was taken by another instance of this node's name.
@@ -317,57 +343,58 @@ impl EtcdClaims {
     }
 
     fn lease_before(&self) -> Option<crate::etcd::LeaseId> {
-        self.fencing.as_ref().and_then(|f| f.valid_lease())
+        self.shared.fencing.as_ref().and_then(|f| f.valid_lease())
     }
 
     /// Names this node in the requests it forwards to controller hosts.
     pub fn with_node(mut self, node: &str) -> EtcdClaims {
-        self.node = node.to_string();
+        self.settings().node = node.to_string();
         self
     }
 
     pub fn node_name(&self) -> &str {
-        &self.node
+        &self.shared.node
     }
 
     /// Without a trailing slash.
     pub fn prefix(&self) -> &str {
-        self.keys.prefix()
+        self.shared.keys.prefix()
     }
 
     pub fn keys(&self) -> &Keys {
-        &self.keys
+        &self.shared.keys
     }
 
     pub fn client(&self) -> &EtcdClient {
-        &self.client
+        &self.shared.client
     }
 
     /// Whether `node`'s liveness key exists.
     pub fn node_is_alive(&self, node: &str) -> Result<bool, ClaimError> {
-        let key = self.keys.node(node);
-        Ok(self.client.get(key).map_err(unavailable)?.is_some())
+        let key = self.shared.keys.node(node);
+        Ok(self.shared.client.get(key).map_err(unavailable)?.is_some())
     }
 
     pub(super) fn all_prefix(&self) -> String {
-        self.keys.claims()
+        self.shared.keys.claims()
     }
 
     fn volume_prefix(&self, volume_id: &str) -> String {
-        self.keys.claims_of(volume_id)
+        self.shared.keys.claims_of(volume_id)
     }
 
     pub(crate) fn volume_key(&self, volume_id: &str) -> String {
-        self.keys.volume(volume_id)
+        self.shared.keys.volume(volume_id)
     }
 
     fn key(&self, volume_id: &str, alloc_id: &str) -> String {
-        self.keys.claim(volume_id, alloc_id)
+        self.shared.keys.claim(volume_id, alloc_id)
     }
 
     /// Every claim with its stored form, oldest first by key.
     pub fn list_stored(&self) -> Result<Vec<StoredClaim>, ClaimError> {
         let r = self
+            .shared
             .client
             .range_prefix(self.all_prefix())
             .map_err(unavailable)?;
@@ -399,14 +426,15 @@ impl EtcdClaims {
                 }
                 Ok(())
             }
-            // Informational (the claim stays held either way): made in the
-            // background, so a release with etcd cut off starts its node
-            // side at once instead of waiting out the call deadline.
+            // Informational (the claim stays held either way): queued for
+            // the marker thread (`marks.rs`), so a release with etcd cut off
+            // starts its node side at once instead of waiting out the call
+            // deadline.
             ClaimChange::MarkReleasing {
                 volume_id,
                 alloc_id,
             } => {
-                self.mark_in_background(volume_id, alloc_id, ClaimState::Releasing, None);
+                self.mark(volume_id, alloc_id, ClaimState::Releasing, None);
                 Ok(())
             }
             ClaimChange::MarkNodeDetached {
@@ -414,7 +442,7 @@ impl EtcdClaims {
                 alloc_id,
                 error,
             } => {
-                self.mark_in_background(
+                self.mark(
                     volume_id,
                     alloc_id,
                     ClaimState::NodeDetached,
@@ -437,63 +465,6 @@ impl EtcdClaims {
             ),
         }
     }
-
-    fn mark_in_background(
-        &self,
-        volume_id: &str,
-        alloc_id: &str,
-        state: ClaimState,
-        error: Option<String>,
-    ) {
-        let (this, v, a) = (
-            self.clone_handle(),
-            volume_id.to_string(),
-            alloc_id.to_string(),
-        );
-        let spawned = std::thread::Builder::new()
-            .name(format!("etcd-mark-{v}"))
-            .spawn(move || {
-                let mark = |c: &mut Claim| {
-                    // A late `releasing` never hides a later `node-detached`.
-                    if state == ClaimState::Releasing && c.state == ClaimState::NodeDetached {
-                        return;
-                    }
-                    c.state = state;
-                    if error.is_some() {
-                        c.last_error = error.clone();
-                    }
-                };
-                if let Err(e) = this.update(&v, &a, mark) {
-                    log::info!("cluster: claim of {v} by {a} not marked {state:?}: {e}");
-                }
-            });
-        if let Err(e) = spawned {
-            log::warn!(
-                "cluster: cannot mark the claim of {volume_id} by {alloc_id} releasing: {e}"
-            );
-        }
-    }
-
-    /// A handle sharing the client (a mark outlives nothing: it ends within
-    /// its calls' deadlines).
-    fn clone_handle(&self) -> EtcdClaims {
-        EtcdClaims {
-            client: self.client.clone(),
-            keys: self.keys.clone(),
-            state: self.state.clone(),
-            known: self.known.clone(),
-            controllers: self.controllers.clone(),
-            node: self.node.clone(),
-            fencing: self.fencing.clone(),
-            take_reads: self.take_reads.clone(),
-            uncertain_takes: self.uncertain_takes.clone(),
-            epochs: self.epochs.clone(),
-            takes_in_flight: self.takes_in_flight.clone(),
-            freed_retention: self.freed_retention,
-            attachments_seen: self.attachments_seen.clone(),
-            registrations: self.registrations.clone(),
-        }
-    }
 }
 
 impl ClaimStore for EtcdClaims {
@@ -503,8 +474,8 @@ impl ClaimStore for EtcdClaims {
         // at the records: a free by hand wants the allocation unrecorded,
         // and a mount that records it from now on cannot take the claim
         // until the free is done.
-        let in_flight = InFlight::new(&self.takes_in_flight, &txn.changes);
-        if !self.state.read(txn.wanted) {
+        let in_flight = InFlight::new(&self.shared.takes_in_flight, &txn.changes);
+        if !self.shared.state.read(txn.wanted) {
             return Ok(Applied::NotWanted);
         }
         // The round trips first, outside every state lock; then the record.
@@ -542,9 +513,9 @@ impl ClaimStore for EtcdClaims {
         // idempotent calls (a free compares the recorded epoch, so it
         // never frees a claim taken since by someone else).
         let written = if txn.closing {
-            self.state.update_closing(write)?
+            self.shared.state.update_closing(write)?
         } else {
-            self.state.update(write)?
+            self.shared.state.update(write)?
         };
         if written {
             return Ok(Applied::Done(outcomes));
@@ -558,6 +529,7 @@ impl ClaimStore for EtcdClaims {
             };
             let maybe = outcome.is_err()
                 && self
+                    .shared
                     .uncertain_takes
                     .lock()
                     .contains_key(&(req.volume_id.clone(), req.alloc_id.clone()));
@@ -577,33 +549,12 @@ impl ClaimStore for EtcdClaims {
         Ok(Applied::NotWanted)
     }
 
-    fn list(&self) -> Vec<Claim> {
-        match self.try_list() {
-            Ok(v) => v,
-            Err(e) => {
-                log::warn!("cannot list the claims: {e}");
-                Vec::new()
-            }
+    /// One read of `claims/` (every volume's) or of `claims/<volume>/`.
+    fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError> {
+        match filter.volume {
+            Some(volume_id) => self.list_prefix(&self.volume_prefix(volume_id)),
+            None => self.list_prefix(&self.all_prefix()),
         }
-    }
-
-    /// Every valid claim; a value that is not a claim is left out with a
-    /// warning naming its key (a take on its volume fails naming it).
-    fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
-        let (claims, problems) = self.list_with_problems()?;
-        for p in problems {
-            log::warn!("{p}");
-        }
-        Ok(claims)
-    }
-
-    /// One read of `claims/<volume>/`.
-    fn list_volume(&self, volume_id: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        self.list_prefix(&self.volume_prefix(volume_id))
-    }
-
-    fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        self.list_prefix(&self.all_prefix())
     }
 
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {
@@ -619,14 +570,14 @@ impl ClaimStore for EtcdClaims {
         timeout: std::time::Duration,
         shutdown: &crate::shutdown::Shutdown,
     ) -> bool {
-        match &self.fencing {
+        match &self.shared.fencing {
             Some(f) => f.wait_back(timeout, shutdown),
             None => shutdown.sleep(timeout),
         }
     }
 
     fn check_call_up(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
-        let Some(f) = &self.fencing else {
+        let Some(f) = &self.shared.fencing else {
             return Ok(());
         };
         if f.is_confirmed(volume_id, alloc_id) {
@@ -640,10 +591,10 @@ impl ClaimStore for EtcdClaims {
             store: "etcd".to_string(),
             reason: why,
         };
-        match self.client.get(&key) {
+        match self.shared.client.get(&key) {
             Ok(Some(kv)) => {
                 let stored = parse(&kv)?;
-                if (!self.node.is_empty() && stored.claim.node != self.node)
+                if (!self.shared.node.is_empty() && stored.claim.node != self.shared.node)
                     || self.other_instance(&stored)
                 {
                     return Err(ClaimError::Impossible {
@@ -655,7 +606,7 @@ impl ClaimStore for EtcdClaims {
                         ),
                     });
                 }
-                self.epochs.lock().insert(key.clone(), kv.create_revision);
+                self.shared.epochs.lock().insert(key.clone(), kv.create_revision);
                 match lease {
                     Some(lease) => {
                         f.confirm(volume_id, alloc_id, lease);
@@ -683,7 +634,8 @@ impl ClaimStore for EtcdClaims {
     }
 
     fn epoch(&self, volume_id: &str, alloc_id: &str) -> Option<i64> {
-        self.epochs
+        self.shared
+            .epochs
             .lock()
             .get(&self.key(volume_id, alloc_id))
             .copied()
@@ -693,8 +645,13 @@ impl ClaimStore for EtcdClaims {
         let prefix = self.volume_prefix(volume_id);
         // Right after the take's read that was refused: a release between
         // that read and this watch is its first event.
-        let from = self.take_reads.lock().get(volume_id).map_or(0, |r| r + 1);
-        match self.client.watch(
+        let from = self
+            .shared
+            .take_reads
+            .lock()
+            .get(volume_id)
+            .map_or(0, |r| r + 1);
+        match self.shared.client.watch(
             prefix.as_bytes(),
             crate::etcd::prefix_end(prefix.as_bytes()),
             from,
@@ -710,8 +667,12 @@ impl ClaimStore for EtcdClaims {
 
 impl EtcdClaims {
     /// The valid claims under `prefix`, and a line per value that is not one.
-    fn list_prefix(&self, prefix: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        let r = self.client.range_prefix(prefix).map_err(unavailable)?;
+    fn list_prefix(&self, prefix: &str) -> Result<Listing, ClaimError> {
+        let r = self
+            .shared
+            .client
+            .range_prefix(prefix)
+            .map_err(unavailable)?;
         let mut claims = Vec::new();
         let mut problems = Vec::new();
         for kv in &r.kvs {
@@ -723,7 +684,7 @@ impl EtcdClaims {
                 Err(e) => problems.push(e.to_string()),
             }
         }
-        Ok((claims, problems))
+        Ok(Listing { claims, problems })
     }
 }
 

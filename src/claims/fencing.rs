@@ -29,6 +29,7 @@
 //! `may_free_unfenced`.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::margins::{bounded_window, ReleaseBounds, DRIFT};
-use super::published::Published;
+use super::published::{Published, PublishedError};
 use crate::clock::boottime;
 use crate::etcd::{LeaseId, RenewalClock};
 
@@ -54,7 +55,7 @@ pub const INSTANCE_FILE: &str = "instance-id";
 /// instance: it cannot register while the original's lease is alive, and
 /// it never frees the original's claims. A file that is not an ID stops
 /// the agent, naming it (never overwritten).
-pub fn instance_id(state_dir: &Path) -> Result<String, String> {
+pub fn instance_id(state_dir: &Path) -> Result<String, IdentityError> {
     let path = state_dir.join(INSTANCE_FILE);
     match std::fs::read_to_string(&path) {
         Ok(text) => {
@@ -62,23 +63,74 @@ pub fn instance_id(state_dir: &Path) -> Result<String, String> {
             if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
                 Ok(id.to_string())
             } else {
-                Err(format!(
-                    "{} is not an instance ID (32 hex digits): fix or remove it by hand (removing it makes this node a new instance, which frees none of the old one's claims)",
-                    path.display()
-                ))
+                Err(IdentityError::NotAnInstanceId { path })
             }
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut bytes = [0u8; 16];
             std::fs::File::open("/dev/urandom")
                 .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
-                .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+                .map_err(IdentityError::Random)?;
             let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            crate::state::write_file_atomically(&path, format!("{id}\n").as_bytes())
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            crate::state::write_file_atomically(&path, format!("{id}\n").as_bytes()).map_err(
+                |source| IdentityError::Write {
+                    path: path.clone(),
+                    source,
+                },
+            )?;
             Ok(id)
         }
-        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        Err(source) => Err(IdentityError::Read { path, source }),
+    }
+}
+
+/// Why this node's identity cannot be read or made: its instance ID, or
+/// what it last published of its self-release. The agent does not start.
+#[derive(Debug)]
+pub enum IdentityError {
+    /// The instance file holds something that is not an ID; it is never
+    /// overwritten.
+    NotAnInstanceId {
+        path: PathBuf,
+    },
+    /// No random bytes for a new instance ID.
+    Random(std::io::Error),
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Published(PublishedError),
+}
+
+impl fmt::Display for IdentityError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdentityError::NotAnInstanceId { path } => write!(
+                f,
+                "{} is not an instance ID (32 hex digits): fix or remove it by hand (removing it makes this node a new instance, which frees none of the old one's claims)",
+                path.display()
+            ),
+            IdentityError::Random(_) => f.write_str("cannot read /dev/urandom"),
+            IdentityError::Read { path, .. } => write!(f, "cannot read {}", path.display()),
+            IdentityError::Write { path, .. } => write!(f, "cannot write {}", path.display()),
+            IdentityError::Published(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for IdentityError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            IdentityError::NotAnInstanceId { .. } => None,
+            IdentityError::Random(source)
+            | IdentityError::Read { source, .. }
+            | IdentityError::Write { source, .. } => Some(source),
+            IdentityError::Published(e) => e.source(),
+        }
     }
 }
 
@@ -237,9 +289,9 @@ impl Fencing {
         instance: &str,
         boot_id: &str,
         bounds: ReleaseBounds,
-    ) -> Result<Fencing, String> {
+    ) -> Result<Fencing, IdentityError> {
         let ttl = bounds.lease_ttl();
-        let published = Published::open(state_dir)?;
+        let published = Published::open(state_dir).map_err(IdentityError::Published)?;
         let path = state_dir.join(LEASE_CLOCK_FILE);
         let persisted = match std::fs::read(&path) {
             Ok(bytes) => match serde_json::from_slice::<LeaseClockFile>(&bytes) {
@@ -314,7 +366,7 @@ impl Fencing {
 
     /// Before a registration writes this node's settings: the file of what
     /// etcd may hold names them first (an error stops the registration).
-    pub fn publishing(&self) -> Result<(), String> {
+    pub fn publishing(&self) -> Result<(), PublishedError> {
         self.published.lock().publishing(&self.bounds)
     }
 
@@ -331,7 +383,7 @@ impl Fencing {
             .store(true, std::sync::atomic::Ordering::SeqCst);
         if let Err(e) = self.published.lock().published(&self.bounds) {
             // The file still names these among others: stricter, not wrong.
-            log::warn!("cluster: {e}");
+            log::warn!("cluster: {}", crate::error_chain(&e));
         }
         *self.liveness_revision.lock() = Some(revision);
         *self.live.lock() = Some((lease, clock));
@@ -628,7 +680,8 @@ mod tests {
         assert_ne!(instance_id(other.path()).expect("made"), a);
         std::fs::write(dir.path().join(INSTANCE_FILE), "../x").expect("write");
         let e = instance_id(dir.path()).expect_err("refused");
-        assert!(e.contains(INSTANCE_FILE), "{e}");
+        assert!(matches!(e, IdentityError::NotAnInstanceId { .. }), "{e:?}");
+        assert!(e.to_string().contains(INSTANCE_FILE), "{e}");
         assert_eq!(
             std::fs::read_to_string(dir.path().join(INSTANCE_FILE)).expect("read"),
             "../x"

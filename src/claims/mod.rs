@@ -243,6 +243,40 @@ pub trait SharedVolumes: Send + Sync {
     fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError>;
 }
 
+/// Which claims `ClaimStore::list_claims` answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClaimFilter<'a> {
+    /// Only this volume's claims (None: every volume's).
+    pub volume: Option<&'a str>,
+}
+
+impl<'a> ClaimFilter<'a> {
+    /// Every claim of the store.
+    pub const ALL: ClaimFilter<'static> = ClaimFilter { volume: None };
+
+    /// The claims of one volume.
+    pub fn volume(volume_id: &'a str) -> ClaimFilter<'a> {
+        ClaimFilter {
+            volume: Some(volume_id),
+        }
+    }
+
+    /// Whether `claim` is one the filter asks for.
+    pub fn admits(&self, claim: &Claim) -> bool {
+        self.volume.map_or(true, |v| claim.volume_id == v)
+    }
+}
+
+/// What `ClaimStore::list_claims` found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The valid claims.
+    pub claims: Vec<Claim>,
+    /// A line per stored value that is not a claim (it is left untouched;
+    /// a take of its volume fails naming it).
+    pub problems: Vec<String>,
+}
+
 /// Where claims are kept. A store is built on the agent's state store (the
 /// one its record changes are written to).
 pub trait ClaimStore: Send + Sync {
@@ -250,33 +284,18 @@ pub trait ClaimStore: Send + Sync {
     /// change. A failed local write is the `Err`; refusals of single
     /// changes are in the outcomes.
     fn transact(&self, txn: Transaction<'_>) -> Result<Applied, StateError>;
-    /// Every claim the store holds (in cluster stores: every node's);
-    /// empty when the store cannot answer (see `try_list`).
-    fn list(&self) -> Vec<Claim>;
-    /// Every claim, or why the store cannot tell now.
-    fn try_list(&self) -> Result<Vec<Claim>, ClaimError> {
-        Ok(self.list())
-    }
-    /// The valid claims of one volume (in cluster stores: every node's) and
-    /// a line per stored value of it that is not one, or why the store
-    /// cannot tell now; reads only that volume's claims.
-    fn list_volume(&self, volume_id: &str) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        let (claims, problems) = self.list_with_problems()?;
-        let claims = claims
-            .into_iter()
-            .filter(|c| c.volume_id == volume_id)
-            .collect();
-        Ok((claims, problems))
-    }
+    /// The valid claims the filter asks for (in cluster stores: every
+    /// node's) and a line per stored value among them that is not a claim,
+    /// or why the store cannot tell now. One volume's are read alone (a
+    /// cluster store reads only that volume's keys).
+    fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError>;
     /// The claims this node holds, when the store keeps them on this node
     /// (one node); None when they live in a store shared by the cluster
-    /// (count them from this node's records instead: no round trip).
+    /// (count them from this node's records instead: no round trip). Not a
+    /// `list_claims` filter: it answers without asking the store, and its
+    /// None means "not kept here", not "none".
     fn local_claims(&self) -> Option<Vec<Claim>> {
         None
-    }
-    /// Every valid claim, and a line per stored value that is not one.
-    fn list_with_problems(&self) -> Result<(Vec<Claim>, Vec<String>), ClaimError> {
-        Ok((self.try_list()?, Vec::new()))
     }
     /// The cluster's shared volume registrations, when the store has them.
     fn shared_volumes(&self) -> Option<&dyn SharedVolumes> {

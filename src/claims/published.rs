@@ -20,12 +20,56 @@
 //! this format stops the agent, naming it: it is never overwritten.
 
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 use super::margins::ReleaseBounds;
 
 /// The file, in the state directory.
 pub const PUBLISHED_FILE: &str = "published-settings.json";
+
+/// Why `published-settings.json` cannot be read or written.
+#[derive(Debug)]
+pub enum PublishedError {
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The file is not this format; it is never overwritten.
+    NotPublishedSettings {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+impl fmt::Display for PublishedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PublishedError::Read { path, .. } => write!(f, "cannot read {}", path.display()),
+            PublishedError::Write { path, .. } => write!(f, "cannot write {}", path.display()),
+            PublishedError::NotPublishedSettings { path, .. } => write!(
+                f,
+                "{} is not what this node published of its self-release: fix or remove it by hand (removing it lets a restart while cut off from etcd use the configured stop_after_disconnect, even if it is larger than the one the cluster knows)",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PublishedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PublishedError::Read { source, .. } | PublishedError::Write { source, .. } => {
+                Some(source)
+            }
+            PublishedError::NotPublishedSettings { source, .. } => Some(source),
+        }
+    }
+}
 
 /// `published-settings.json`.
 #[derive(Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,19 +89,15 @@ pub struct Published {
 impl Published {
     /// Reads the file of `state_dir`; one that cannot be read or is not this
     /// format is refused, naming it.
-    pub fn open(state_dir: &Path) -> Result<Published, String> {
+    pub fn open(state_dir: &Path) -> Result<Published, PublishedError> {
         let path = state_dir.join(PUBLISHED_FILE);
         let sets = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice::<PublishedFile>(&bytes)
-                .map_err(|e| {
-                    format!(
-                        "{} is not what this node published of its self-release ({e}): fix or remove it by hand (removing it lets a restart while cut off from etcd use the configured stop_after_disconnect, even if it is larger than the one the cluster knows)",
-                        path.display()
-                    )
-                })?
-                .published,
+            Ok(bytes) => match serde_json::from_slice::<PublishedFile>(&bytes) {
+                Ok(file) => file.published,
+                Err(source) => return Err(PublishedError::NotPublishedSettings { path, source }),
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(source) => return Err(PublishedError::Read { path, source }),
         };
         Ok(Published { path, sets })
     }
@@ -68,7 +108,7 @@ impl Published {
     }
 
     /// Before a registration writes `current`: the file holds it too.
-    pub fn publishing(&mut self, current: &ReleaseBounds) -> Result<(), String> {
+    pub fn publishing(&mut self, current: &ReleaseBounds) -> Result<(), PublishedError> {
         if self.sets.contains(current) {
             return Ok(());
         }
@@ -78,20 +118,24 @@ impl Published {
     }
 
     /// A registration wrote `current`: it is the only one etcd holds.
-    pub fn published(&mut self, current: &ReleaseBounds) -> Result<(), String> {
+    pub fn published(&mut self, current: &ReleaseBounds) -> Result<(), PublishedError> {
         if self.sets == [*current] {
             return Ok(());
         }
         self.write(vec![*current])
     }
 
-    fn write(&mut self, sets: Vec<ReleaseBounds>) -> Result<(), String> {
+    fn write(&mut self, sets: Vec<ReleaseBounds>) -> Result<(), PublishedError> {
         let bytes = serde_json::to_vec(&PublishedFile {
             published: sets.clone(),
         })
         .expect("published settings always encode");
-        crate::state::write_file_atomically(&self.path, &bytes)
-            .map_err(|e| format!("cannot write {}: {e}", self.path.display()))?;
+        crate::state::write_file_atomically(&self.path, &bytes).map_err(|source| {
+            PublishedError::Write {
+                path: self.path.clone(),
+                source,
+            }
+        })?;
         self.sets = sets;
         Ok(())
     }
@@ -121,7 +165,11 @@ mod tests {
         let path = dir.path().join(PUBLISHED_FILE);
         std::fs::write(&path, b"{\"published\": 3}").expect("write");
         let e = Published::open(dir.path()).err().expect("refused");
-        assert!(e.contains(PUBLISHED_FILE), "{e}");
+        assert!(
+            matches!(e, PublishedError::NotPublishedSettings { .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains(PUBLISHED_FILE), "{e}");
         assert_eq!(
             std::fs::read(&path).expect("read"),
             b"{\"published\": 3}",

@@ -28,7 +28,7 @@ impl EtcdClaims {
     /// Whether this node's record of `alloc_id` holds `volume_id` past its
     /// claim and is not being released.
     fn past_claim(&self, volume_id: &str, alloc_id: &str) -> bool {
-        self.state.read(|s| {
+        self.shared.state.read(|s| {
             s.allocs.get(alloc_id).is_some_and(|a| {
                 !a.releasing
                     && a.volumes.values().any(|v| {
@@ -57,7 +57,7 @@ impl EtcdClaims {
     ) -> Result<Reconciled, ClaimError> {
         // The local records first: one past its claim was in etcd before
         // it was recorded, so a claim missing from the later read was freed.
-        let past_claim: Vec<(String, String, super::ClaimRequest)> = self.state.read(|s| {
+        let past_claim: Vec<(String, String, super::ClaimRequest)> = self.shared.state.read(|s| {
             s.alloc_volumes()
                 .filter(|(a, v)| {
                     !a.releasing
@@ -107,7 +107,8 @@ impl EtcdClaims {
             kvs.sort_by(|a, b| a.key.cmp(&b.key));
             kvs
         } else {
-            self.client
+            self.shared
+                .client
                 .range_prefix(self.all_prefix())
                 .map_err(unavailable)?
                 .kvs
@@ -121,7 +122,7 @@ impl EtcdClaims {
                 Ok(_) => None,
                 Err(_) => {
                     let key = kv.key_str();
-                    let (v, a) = self.keys.parse_claim(&key)?;
+                    let (v, a) = self.shared.keys.parse_claim(&key)?;
                     Some((v.to_string(), a.to_string()))
                 }
             })
@@ -133,8 +134,9 @@ impl EtcdClaims {
                 continue;
             }
             let note = self
+                .shared
                 .client
-                .get(self.keys.freed(&volume_id, &alloc_id))
+                .get(self.shared.keys.freed(&volume_id, &alloc_id))
                 .map_err(unavailable)?;
             let why = note
                 .and_then(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
@@ -219,7 +221,8 @@ impl EtcdClaims {
             // first change of it after a restart, the release's mark, is
             // one `Txn` comparing this revision, not a read and a `Txn`.
             // A stale revision only fails the compare.
-            self.known
+            self.shared
+                .known
                 .lock()
                 .entry(kv.key_str().to_string())
                 .or_insert_with(|| (kv.mod_revision, stored.clone()));
@@ -227,10 +230,10 @@ impl EtcdClaims {
             // record: not an orphan. (Looked at before the records: a take
             // leaves this set only once its record is written.)
             let key = (c.volume_id.clone(), c.alloc_id.clone());
-            if self.takes_in_flight.lock().takes.contains_key(&key) {
+            if self.shared.takes_in_flight.lock().takes.contains_key(&key) {
                 continue;
             }
-            let recorded = self.state.read(|s| {
+            let recorded = self.shared.state.read(|s| {
                 s.allocs
                     .get(&c.alloc_id)
                     .is_some_and(|a| a.volumes.values().any(|v| v.volume_id == c.volume_id))
@@ -255,6 +258,7 @@ impl EtcdClaims {
             // Only this very claim: one taken again meanwhile stays.
             let same = Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision);
             let t = self
+                .shared
                 .client
                 .txn(
                     &[same],

@@ -28,7 +28,7 @@ pub(super) struct ControllerCacheInner {
     pub(super) answers: std::collections::HashMap<String, Option<RemoteController>>,
 }
 
-pub(super) type ControllerCache = std::sync::Arc<parking_lot::Mutex<ControllerCacheInner>>;
+pub(super) type ControllerCache = parking_lot::Mutex<ControllerCacheInner>;
 
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

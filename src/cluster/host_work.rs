@@ -10,6 +10,7 @@
 //! the call fails it, and the call is undone before anything is recorded).
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -35,6 +36,107 @@ pub(super) struct Prefetch {
     /// is gone.
     pub(super) claim: Option<Option<KeyValue>>,
     pub(super) spec: Option<KeyValue>,
+}
+
+/// Why a controller call for another node's attach request failed: what
+/// its answer records, with whether asking again can help.
+#[derive(Debug)]
+enum CallError {
+    /// The volume is no longer registered in the cluster.
+    NotRegistered { volume_id: String },
+    /// The volume's registration could not be read.
+    Registration(ClaimError),
+    /// The controller plugin failed the call.
+    Plugin(crate::csi::CsiError),
+    /// Not attached: the claim the request is for is gone or newer (`why`);
+    /// `undone` says what became of an attach an earlier attempt may have
+    /// made.
+    ClaimGone { why: String, undone: String },
+}
+
+impl CallError {
+    /// Whether the requester may ask again.
+    fn is_retryable(&self) -> bool {
+        match self {
+            CallError::NotRegistered { .. } | CallError::ClaimGone { .. } => false,
+            CallError::Registration(_) => true,
+            CallError::Plugin(e) => e.is_retryable(),
+        }
+    }
+}
+
+impl fmt::Display for CallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CallError::NotRegistered { volume_id } => {
+                write!(f, "volume {volume_id} is not registered in the cluster")
+            }
+            CallError::Registration(e) => e.fmt(f),
+            CallError::Plugin(e) => e.fmt(f),
+            CallError::ClaimGone { why, undone } => write!(f, "{why} ({undone})"),
+        }
+    }
+}
+
+impl std::error::Error for CallError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CallError::Registration(e) => e.source(),
+            CallError::Plugin(e) => e.source(),
+            CallError::NotRegistered { .. } | CallError::ClaimGone { .. } => None,
+        }
+    }
+}
+
+/// Why a forwarded controller call failed: what its answer records, with
+/// the gRPC code the requester returns and whether it may ask again.
+#[derive(Debug)]
+enum ForwardError {
+    NotForwarded {
+        method: String,
+    },
+    NotHex,
+    /// The controller plugin failed the call.
+    Plugin(crate::csi::CsiError),
+}
+
+impl ForwardError {
+    fn code(&self) -> grpcio::RpcStatusCode {
+        match self {
+            ForwardError::NotForwarded { .. } | ForwardError::NotHex => {
+                grpcio::RpcStatusCode::INVALID_ARGUMENT
+            }
+            ForwardError::Plugin(e) => e.code().unwrap_or(grpcio::RpcStatusCode::UNKNOWN),
+        }
+    }
+
+    fn is_retryable(&self) -> bool {
+        match self {
+            ForwardError::NotForwarded { .. } | ForwardError::NotHex => false,
+            ForwardError::Plugin(e) => e.is_retryable(),
+        }
+    }
+}
+
+impl fmt::Display for ForwardError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ForwardError::NotForwarded { method } => {
+                write!(f, "{method} is not a forwarded method")
+            }
+            ForwardError::NotHex => f.write_str("the request is not hex"),
+            ForwardError::Plugin(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ForwardError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ForwardError::Plugin(e) => e.source(),
+            ForwardError::NotForwarded { .. } | ForwardError::NotHex => None,
+        }
+    }
 }
 
 /// One request, performed on a worker thread.
@@ -152,10 +254,10 @@ impl Work {
         let result = match refused {
             // An earlier attempt may have attached it and lost its answer
             // (etcd did not answer the write that records it): undone.
-            Some(why) => Err((
-                format!("{why} ({})", self.undo_attach(&rec, spec.as_ref())?),
-                false,
-            )),
+            Some(why) => Err(CallError::ClaimGone {
+                why,
+                undone: self.undo_attach(&rec, spec.as_ref())?,
+            }),
             None => self.call(&rec, spec.as_ref()),
         };
         // An attach is recorded only while its claim holds with its epoch.
@@ -191,7 +293,7 @@ impl Work {
         let done_op = answer(
             &self.key,
             &mut rec,
-            Err((format!("{why} ({undone})"), false)),
+            Err(CallError::ClaimGone { why, undone }),
         );
         self.finish(&kv, done_op)
     }
@@ -231,12 +333,16 @@ impl Work {
             Ok(_) => Ok("detached (again)".to_string()),
             // Asking again cannot help (the volume is no longer
             // registered, the plugin refuses for good): said in the answer.
-            Err((e, false)) => Ok(format!("the detach failed: {e}")),
-            Err((e, true)) => Err(ClaimError::Unavailable {
+            Err(e) if !e.is_retryable() => {
+                Ok(format!("the detach failed: {}", crate::error_chain(&e)))
+            }
+            Err(e) => Err(ClaimError::Unavailable {
                 store: "controller".to_string(),
                 reason: format!(
-                    "volume {} may be attached to node {} for a claim that is gone, and its detach failed: {e} (retried)",
-                    rec.volume_id, rec.node
+                    "volume {} may be attached to node {} for a claim that is gone, and its detach failed: {} (retried)",
+                    rec.volume_id,
+                    rec.node,
+                    crate::error_chain(&e)
                 ),
             }),
         }
@@ -257,15 +363,14 @@ impl Work {
         Ok(gone_why(rec, kv.as_ref()))
     }
 
-    /// The controller call; the publish context, or the error and whether
-    /// asking again can help.
+    /// The controller call; the publish context, or why it failed.
     /// `spec`: the volume's registration when read already (None: read
     /// it now; Some(None): not registered).
     fn call(
         &self,
         rec: &AttachmentRecord,
         spec: Option<&Option<KeyValue>>,
-    ) -> Result<BTreeMap<String, String>, (String, bool)> {
+    ) -> Result<BTreeMap<String, String>, CallError> {
         let read = match spec {
             Some(kv) => kv.as_ref().map(crate::claims::etcd::parse_spec).transpose(),
             None => self.claims.get(&rec.volume_id),
@@ -273,12 +378,11 @@ impl Work {
         let spec = match read {
             Ok(Some(spec)) => spec,
             Ok(None) => {
-                return Err((
-                    format!("volume {} is not registered in the cluster", rec.volume_id),
-                    false,
-                ))
+                return Err(CallError::NotRegistered {
+                    volume_id: rec.volume_id.clone(),
+                })
             }
-            Err(e) => return Err((e.to_string(), true)),
+            Err(e) => return Err(CallError::Registration(e)),
         };
         let no_context = BTreeMap::new();
         let vref = VolumeRef {
@@ -302,13 +406,13 @@ impl Work {
                     .is_some_and(|c| c.publish_readonly);
                 client
                     .controller_publish_volume(&requests::controller_publish(vref, &spec, readonly))
-                    .map_err(|e| (crate::error_chain(&e), e.is_retryable()))
+                    .map_err(CallError::Plugin)
             }
             Want::Detached => {
                 match client
                     .controller_unpublish_volume(&requests::controller_unpublish(vref, Some(&spec)))
                 {
-                    Err(e) if !e.is_ignorable() => Err((crate::error_chain(&e), e.is_retryable())),
+                    Err(e) if !e.is_ignorable() => Err(CallError::Plugin(e)),
                     _ => Ok(BTreeMap::new()),
                 }
             }
@@ -347,24 +451,19 @@ impl Work {
             );
             return self.finish(&kv, TxnOp::delete(self.key.clone()));
         }
-        let invalid = |why: String| (why, grpcio::RpcStatusCode::INVALID_ARGUMENT, false);
         let result = match (
             crate::csi::forwarded_method(&rec.method),
             from_hex(&rec.request_hex),
         ) {
-            (None, _) => Err(invalid(format!("{} is not a forwarded method", rec.method))),
-            (_, None) => Err(invalid("the request is not hex".to_string())),
+            (None, _) => Err(ForwardError::NotForwarded {
+                method: rec.method.clone(),
+            }),
+            (_, None) => Err(ForwardError::NotHex),
             (Some(m), Some(bytes)) => self
                 .controller
                 .client
                 .forward_controller_call(m, &bytes)
-                .map_err(|e| {
-                    (
-                        crate::error_chain(&e),
-                        e.code().unwrap_or(grpcio::RpcStatusCode::UNKNOWN),
-                        e.is_retryable(),
-                    )
-                }),
+                .map_err(ForwardError::Plugin),
         };
         rec.handled_by = Some(self.node.clone());
         rec.updated_at_ms = now_ms();
@@ -379,7 +478,8 @@ impl Work {
                 rec.state = AttachState::Done;
                 rec.response_hex = to_hex(&reply);
             }
-            Err((error, code, retryable)) => {
+            Err(e) => {
+                let error = crate::error_chain(&e);
                 log::warn!(
                     "controller host: {} of plugin {} for node {} failed: {error}",
                     rec.method,
@@ -388,8 +488,8 @@ impl Work {
                 );
                 rec.state = AttachState::Failed;
                 rec.error = Some(error);
-                rec.code = code.into();
-                rec.retryable = retryable;
+                rec.code = e.code().into();
+                rec.retryable = e.is_retryable();
             }
         }
         let value = serde_json::to_vec(&rec).expect("a call always encodes");
@@ -443,7 +543,7 @@ fn gone_why(rec: &AttachmentRecord, kv: Option<&KeyValue>) -> Option<String> {
 fn answer(
     key: &str,
     rec: &mut AttachmentRecord,
-    result: Result<BTreeMap<String, String>, (String, bool)>,
+    result: Result<BTreeMap<String, String>, CallError>,
 ) -> TxnOp {
     match (&rec.want, result) {
         (Want::Attached, Ok(ctx)) => {
@@ -467,7 +567,8 @@ fn answer(
             );
             TxnOp::delete(key.to_string())
         }
-        (_, Err((error, retryable))) => {
+        (_, Err(e)) => {
+            let error = crate::error_chain(&e);
             log::warn!(
                 "controller host: {} of volume {} for node {} failed: {error}",
                 match rec.want {
@@ -479,8 +580,88 @@ fn answer(
             );
             rec.state = AttachState::Failed;
             rec.error = Some(error);
-            rec.retryable = retryable;
+            rec.retryable = e.is_retryable();
             put(key, rec)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csi::{CsiError, CsiMethod};
+    use grpcio::RpcStatusCode;
+
+    fn status(method: CsiMethod, code: RpcStatusCode) -> CsiError {
+        CsiError::Status {
+            method,
+            code,
+            message: "said the plugin".to_string(),
+        }
+    }
+
+    #[test]
+    fn a_failed_call_says_what_its_answer_records_and_whether_to_ask_again() {
+        let busy = status(CsiMethod::ControllerPublishVolume, RpcStatusCode::ABORTED);
+        let busy_text = crate::error_chain(&busy);
+        let cases = [
+            (
+                CallError::NotRegistered {
+                    volume_id: "v".to_string(),
+                },
+                "volume v is not registered in the cluster".to_string(),
+                false,
+            ),
+            (
+                CallError::Registration(ClaimError::Unavailable {
+                    store: "etcd".to_string(),
+                    reason: "no answer".to_string(),
+                }),
+                "the claim store etcd is unavailable: no answer".to_string(),
+                true,
+            ),
+            (
+                CallError::ClaimGone {
+                    why: "the claim is gone".to_string(),
+                    undone: "detached (again)".to_string(),
+                },
+                "the claim is gone (detached (again))".to_string(),
+                false,
+            ),
+            (CallError::Plugin(busy), busy_text, true),
+            (
+                CallError::Plugin(status(
+                    CsiMethod::ControllerPublishVolume,
+                    RpcStatusCode::INVALID_ARGUMENT,
+                )),
+                crate::error_chain(&status(
+                    CsiMethod::ControllerPublishVolume,
+                    RpcStatusCode::INVALID_ARGUMENT,
+                )),
+                false,
+            ),
+        ];
+        for (e, text, retryable) in cases {
+            assert_eq!(crate::error_chain(&e), text);
+            assert_eq!(e.is_retryable(), retryable, "{e}");
+        }
+    }
+
+    #[test]
+    fn a_failed_forwarded_call_keeps_the_plugins_code() {
+        let not_forwarded = ForwardError::NotForwarded {
+            method: "Nope".to_string(),
+        };
+        assert_eq!(not_forwarded.to_string(), "Nope is not a forwarded method");
+        assert_eq!(not_forwarded.code(), RpcStatusCode::INVALID_ARGUMENT);
+        assert!(!not_forwarded.is_retryable());
+        assert_eq!(ForwardError::NotHex.to_string(), "the request is not hex");
+        assert_eq!(ForwardError::NotHex.code(), RpcStatusCode::INVALID_ARGUMENT);
+        let plugin = status(CsiMethod::CreateVolume, RpcStatusCode::UNAVAILABLE);
+        let text = crate::error_chain(&plugin);
+        let e = ForwardError::Plugin(plugin);
+        assert_eq!(crate::error_chain(&e), text);
+        assert_eq!(e.code(), RpcStatusCode::UNAVAILABLE);
+        assert!(e.is_retryable());
     }
 }

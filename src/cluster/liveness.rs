@@ -272,7 +272,7 @@ fn run(
     let mut backoff = Backoff::new(LIVENESS_BACKOFF, far);
     while !shutdown.is_triggered() {
         let held = (hooks.before_register)()
-            .and_then(|()| fencing.publishing())
+            .and_then(|()| fencing.publishing().map_err(|e| crate::error_chain(&e)))
             .map_err(RegisterError::Before)
             .and_then(|()| client.lease_grant(ttl).map_err(RegisterError::Etcd))
             .and_then(|lease| {

@@ -130,8 +130,9 @@ pub struct Member {
 }
 
 impl Member {
-    /// Claims in etcd, the reconciliation thread (`reconcile`, on
-    /// `threads`) and this node's liveness.
+    /// Claims in etcd with their marker thread (`etcd-marker`), the
+    /// reconciliation thread (`reconcile`), both on `threads`, and this
+    /// node's liveness.
     pub fn join(parts: JoinParts<'_>, threads: &mut Threads) -> Result<Member, StartError> {
         let c = parts.config;
         let claims = Arc::new(
@@ -140,6 +141,9 @@ impl Member {
                 .with_fencing(parts.fencing.clone())
                 .with_freed_retention(c.freed_note_retention),
         );
+        claims
+            .start_marker(threads, parts.shutdown.clone())
+            .map_err(StartError::of("failed to start the claim marker thread"))?;
         let (registered_tx, registered_rx) = crossbeam_channel::unbounded::<()>();
         let (lifecycle_tx, lifecycle_rx) = crossbeam_channel::bounded::<Lifecycle>(1);
         let reconciler = Reconciler {

@@ -416,9 +416,9 @@ impl Driver {
     fn refuse_if_in_use(&self, name: &str) -> Result<(), DriverError> {
         let claims = self
             .lifecycle
-            .volume_claims(name)
+            .list_claims(crate::claims::ClaimFilter::volume(name))
             .map_err(|e| DriverError::Registry(VolumeRegistryError::Claims(e)))?
-            .0;
+            .claims;
         let holder = claims.into_iter().next().map(|c| c.alloc_id).or_else(|| {
             self.lifecycle
                 .store()

@@ -54,7 +54,9 @@ pub use snapshots::SnapshotView;
 pub use status::{AllocStatus, VolumeStatus};
 pub use volume_ops::Expansion;
 
-use crate::claims::{Claim, ClaimState, ClaimStore, ControllerHostRecord, NodeDetach};
+use crate::claims::{
+    Claim, ClaimFilter, ClaimState, ClaimStore, ControllerHostRecord, Listing, NodeDetach,
+};
 use crate::plugins::Registry;
 use crate::shutdown::Shutdown;
 use crate::state::{StateError, StateStore};
@@ -121,9 +123,14 @@ impl Lifecycle {
         &self.core.claims
     }
 
-    /// Every claim of the claim store.
-    pub fn list_claims(&self) -> Vec<Claim> {
-        self.core.claims.list()
+    /// The claims the filter asks for (every one, or one volume's, read
+    /// alone) and a line per stored value among them that is not a claim,
+    /// or why the claim store cannot tell now.
+    pub fn list_claims(
+        &self,
+        filter: ClaimFilter<'_>,
+    ) -> Result<Listing, crate::claims::ClaimError> {
+        self.core.claims.list_claims(filter)
     }
 
     /// The states of the claims this node holds: the store's own on one
@@ -171,9 +178,9 @@ impl Lifecycle {
         let claims = self
             .core
             .claims
-            .list_volume(volume_id)
+            .list_claims(ClaimFilter::volume(volume_id))
             .map_err(FreeClaimError::Store)?
-            .0;
+            .claims;
         let claim = claims
             .into_iter()
             .find(|c| c.volume_id == volume_id && c.alloc_id == alloc_id)
@@ -335,21 +342,6 @@ impl Lifecycle {
         self.core.claims.node_alive(node)
     }
 
-    /// Every claim of the claim store (and a line per stored value that is
-    /// not one), or why it cannot tell now.
-    pub fn try_list_claims(&self) -> Result<(Vec<Claim>, Vec<String>), crate::claims::ClaimError> {
-        self.core.claims.list_with_problems()
-    }
-
-    /// The claims of one volume, and a line per stored value of it that is
-    /// not a claim (reads only that volume's claims).
-    pub fn volume_claims(
-        &self,
-        volume_id: &str,
-    ) -> Result<(Vec<Claim>, Vec<String>), crate::claims::ClaimError> {
-        self.core.claims.list_volume(volume_id)
-    }
-
     pub fn registry(&self) -> &Registry {
         &self.core.registry
     }
@@ -451,9 +443,9 @@ impl Lifecycle {
         let claims = self
             .core
             .claims
-            .list_volume(id)
+            .list_claims(ClaimFilter::volume(id))
             .map_err(VolumeRegistryError::Claims)?
-            .0;
+            .claims;
         match claims.into_iter().next() {
             Some(c) => Err(VolumeRegistryError::InUse {
                 volume_id: id.to_string(),

@@ -7,7 +7,9 @@
 //! the code that sees the event records it with one call and no handle to
 //! pass around. Everything that is a level (allocations by phase, plugin
 //! health, volume usage) is read at scrape time from its owner by
-//! the observer module (`observe`); nothing is kept twice.
+//! the observer module (`observe`); nothing is kept twice. One level lives
+//! here too: the claim marks waiting for etcd, set by the etcd store's
+//! marker thread, to which the observer holds no handle.
 //!
 //! Written by hand rather than with a crate: the text format is a few
 //! lines, and the `prometheus` crate would bring protobuf 2 (the agent uses
@@ -56,6 +58,30 @@ impl Counter {
 }
 
 impl Default for Counter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A level set by its one owner (a figure kept where no scrape can reach
+/// its owner by a handle).
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub const fn new() -> Gauge {
+        Gauge(AtomicU64::new(0))
+    }
+
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for Gauge {
     fn default() -> Self {
         Self::new()
     }
@@ -158,6 +184,10 @@ pub static CLAIM_RETRIES: Counter = Counter::new();
 /// Start-up reconciliations of this node's claims with its records that
 /// succeeded (one after each registration of its liveness).
 pub static RECONCILIATIONS: Counter = Counter::new();
+
+/// Claim state marks (`releasing`, `node-detached`) waiting to be written
+/// to etcd, and the one being written (set by the etcd store's marker).
+pub static CLAIM_MARKS_PENDING: Gauge = Gauge::new();
 
 /// Release steps that failed (each failed attempt counts once).
 pub static RELEASE_FAILURES: Counter = Counter::new();

@@ -247,6 +247,12 @@ fn etcd(t: &mut Text, o: &Observer) {
         if c.problem().is_none() { 1.0 } else { 0.0 },
     );
     t.single(
+        "claimd_etcd_claim_marks_pending",
+        Kind::Gauge,
+        "Claim states (releasing, node-detached) waiting to be written to this node's claims in etcd.",
+        metrics::CLAIM_MARKS_PENDING.get() as f64,
+    );
+    t.single(
         "claimd_cluster_reconciliations_total",
         Kind::Counter,
         "Reconciliations of this node's claims in etcd with its records that succeeded (one after each registration of its liveness).",

@@ -29,9 +29,9 @@ pub const ETCD_COUNT: &str = "claimd_etcd_request_duration_seconds_count";
 pub const ETCD_SUM: &str = "claimd_etcd_request_duration_seconds_sum";
 pub const CSI_SUM: &str = "claimd_csi_operations_seconds_sum";
 pub const STATE_SUM: &str = "claimd_state_write_duration_seconds_sum";
-/// The name of the thread that marks a claim `releasing` in etcd (see
-/// `claims/etcd.rs`), as /proc shows it.
-pub const MARK_THREAD: &str = "etcd-mark-";
+/// The claim marks (`releasing`, `node-detached`) an agent has yet to
+/// write to etcd (see `claims/etcd/marks.rs`).
+pub const MARKS_PENDING: &str = "claimd_etcd_claim_marks_pending";
 
 /// Starts a single etcd member on free loopback ports with its data under
 /// the scratch directory (killed and removed with it) and answers its
@@ -251,21 +251,12 @@ impl Node {
         sample(&metrics_text(&self.api), "claimd_claim_retries_total").unwrap_or(0.0)
     }
 
-    /// Waits until no thread of the agent is marking a claim `releasing`.
+    /// Waits until the agent has no claim mark left to write.
     pub fn wait_marks(&self) {
-        let tasks = format!("/proc/{}/task", self.agent.pid());
         wait_for(
             &format!("agent {}'s claim marks", self.name),
             MARKS_TIMEOUT,
-            || {
-                let Ok(dir) = std::fs::read_dir(&tasks) else {
-                    return true;
-                };
-                !dir.flatten().any(|t| {
-                    std::fs::read_to_string(t.path().join("comm"))
-                        .is_ok_and(|c| c.starts_with(MARK_THREAD))
-                })
-            },
+            || sample(&metrics_text(&self.api), MARKS_PENDING) == Some(0.0),
         );
     }
 }

@@ -34,8 +34,8 @@ impl EtcdClaims {
         t: &crate::etcd::TxnResponse,
         lease: Option<crate::etcd::LeaseId>,
     ) {
-        self.epochs.lock().insert(key.clone(), t.revision);
-        self.known.lock().insert(key, (t.revision, stored));
+        self.shared.epochs.lock().insert(key.clone(), t.revision);
+        self.shared.known.lock().insert(key, (t.revision, stored));
         self.confirmed(&req.volume_id, &req.alloc_id, lease);
     }
 
@@ -112,9 +112,14 @@ impl EtcdClaims {
                     }
                     read_of(t)?
                 }
-                None => self.client.range_prefix(&prefix).map_err(unavailable)?,
+                None => self
+                    .shared
+                    .client
+                    .range_prefix(&prefix)
+                    .map_err(unavailable)?,
             };
-            self.take_reads
+            self.shared
+                .take_reads
                 .lock()
                 .insert(req.volume_id.clone(), r.revision);
             let mut others = Vec::new();
@@ -150,6 +155,7 @@ impl EtcdClaims {
                     // (Its index entry too: one taken by a claimd without
                     // the index has none yet.)
                     let t = self
+                        .shared
                         .client
                         .txn(
                             &[same],
@@ -158,10 +164,12 @@ impl EtcdClaims {
                         )
                         .map_err(unavailable)?;
                     if t.succeeded {
-                        self.known
+                        self.shared
+                            .known
                             .lock()
                             .insert(kv.key_str().into_owned(), (t.revision, fresh));
-                        self.epochs
+                        self.shared
+                            .epochs
                             .lock()
                             .insert(kv.key_str().into_owned(), kv.create_revision);
                         self.confirmed(&req.volume_id, &req.alloc_id, lease);
@@ -214,10 +222,10 @@ impl EtcdClaims {
     /// The liveness revision a take compares: none without fencing (a
     /// store that is not an agent's); an agent not registered takes nothing.
     fn take_liveness(&self, req: &ClaimRequest) -> Result<TakeLiveness, ClaimError> {
-        let Some(f) = &self.fencing else {
+        let Some(f) = &self.shared.fencing else {
             return Ok(TakeLiveness(None));
         };
-        let key = self.keys.node(&req.node);
+        let key = self.shared.keys.node(&req.node);
         if f.liveness_revision().is_none() {
             // Registering (at start, or after the lease was lost): a take
             // waits for it a little rather than a whole claim backoff.
@@ -254,7 +262,8 @@ impl EtcdClaims {
             failure.push(TxnOp::get(r.key.clone()));
             failure.push(TxnOp::get(r.index.clone()));
         }
-        self.client
+        self.shared
+            .client
             .txn(
                 compares,
                 &[TxnOp::put(key.to_string(), value), self.index_put(req)],
@@ -262,7 +271,7 @@ impl EtcdClaims {
             )
             .map_err(|e| {
                 if let Some((_, rev)) = &liveness.0 {
-                    self.uncertain_takes.lock().insert(
+                    self.shared.uncertain_takes.lock().insert(
                         (req.volume_id.clone(), req.alloc_id.clone()),
                         (req.node.clone(), *rev),
                     );
@@ -324,7 +333,7 @@ impl EtcdClaims {
         if now == Some(*rev) {
             return Ok(None);
         }
-        if let Some(f) = &self.fencing {
+        if let Some(f) = &self.shared.fencing {
             match seen {
                 Some(kv) => f.liveness_seen(kv.lease, kv.mod_revision),
                 // Gone while this agent holds its lease: deleted by hand
@@ -366,12 +375,13 @@ impl EtcdClaims {
         alloc_id: &str,
     ) -> Result<(), ClaimError> {
         let k = (volume_id.to_string(), alloc_id.to_string());
-        let Some((node, rev)) = self.uncertain_takes.lock().get(&k).cloned() else {
+        let Some((node, rev)) = self.shared.uncertain_takes.lock().get(&k).cloned() else {
             return Ok(());
         };
-        let key = self.keys.node(&node);
+        let key = self.shared.keys.node(&node);
         let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, rev);
         let t = self
+            .shared
             .client
             .txn(
                 &[same],
@@ -379,7 +389,7 @@ impl EtcdClaims {
                 &[TxnOp::get(key.as_bytes())],
             )
             .map_err(unavailable)?;
-        if let Some(f) = &self.fencing {
+        if let Some(f) = &self.shared.fencing {
             // Moved here, or before (a fence of this agent whose answer was
             // lost moved it too: takes compare where it is now).
             match t.responses.first() {
@@ -398,7 +408,7 @@ impl EtcdClaims {
                 t.revision
             );
         }
-        self.uncertain_takes.lock().remove(&k);
+        self.shared.uncertain_takes.lock().remove(&k);
         Ok(())
     }
 
@@ -415,13 +425,14 @@ impl EtcdClaims {
         by_hand: Option<&crate::claims::ByHand>,
     ) -> Result<(), ClaimError> {
         let key = self.key(volume_id, alloc_id);
-        if let Some(f) = &self.fencing {
+        if let Some(f) = &self.shared.fencing {
             f.forget(volume_id, alloc_id);
         }
         // A take that did not answer may still land: made impossible first,
         // so that the read below is final.
         self.settle_uncertain_take(volume_id, alloc_id)?;
         let epoch = self
+            .shared
             .epochs
             .lock()
             .remove(&key)
@@ -430,6 +441,7 @@ impl EtcdClaims {
             return self.free_whoever_holds(&key, while_gone, by_hand);
         };
         let known = self
+            .shared
             .known
             .lock()
             .get(&key)
@@ -444,6 +456,7 @@ impl EtcdClaims {
             // or reads what is there instead.
             let ours = Compare::create_revision(key.as_bytes(), CompareOp::Equal, epoch);
             let t = self
+                .shared
                 .client
                 .txn(
                     &[ours],
@@ -463,8 +476,8 @@ impl EtcdClaims {
             }
         }
         for _ in 0..CONFLICT_ATTEMPTS {
-            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
-                self.known.lock().remove(&key);
+            let Some(kv) = self.shared.client.get(&key).map_err(unavailable)? else {
+                self.shared.known.lock().remove(&key);
                 return Ok(());
             };
             let stored = parse(&kv)?;
@@ -472,7 +485,7 @@ impl EtcdClaims {
                 log::info!(
                     "cluster: claim {key} is held under node name {holder} by another instance: left alone"
                 );
-                self.known.lock().remove(&key);
+                self.shared.known.lock().remove(&key);
                 return Ok(());
             }
             if stored.claim.node != holder {
@@ -480,7 +493,7 @@ impl EtcdClaims {
                     "cluster: claim {key} is held by node {} now, not {holder}: left alone",
                     stored.claim.node
                 );
-                self.known.lock().remove(&key);
+                self.shared.known.lock().remove(&key);
                 return Ok(());
             }
             if self.delete_if_unchanged(&key, kv.mod_revision, holder)? {
@@ -510,8 +523,8 @@ impl EtcdClaims {
     ) -> Result<(), ClaimError> {
         let note_lease = by_hand.map(|_| self.freed_note_lease()).transpose()?;
         for _ in 0..CONFLICT_ATTEMPTS {
-            let Some(kv) = self.client.get(key).map_err(unavailable)? else {
-                self.known.lock().remove(key);
+            let Some(kv) = self.shared.client.get(key).map_err(unavailable)? else {
+                self.shared.known.lock().remove(key);
                 return Ok(());
             };
             let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
@@ -535,7 +548,9 @@ impl EtcdClaims {
                     "at_ms": super::now_ms(),
                 });
                 deletes.push(TxnOp::put_with_lease(
-                    self.keys.freed(&hand.claim.volume_id, &hand.claim.alloc_id),
+                    self.shared
+                        .keys
+                        .freed(&hand.claim.volume_id, &hand.claim.alloc_id),
                     note.to_string(),
                     lease,
                 ));
@@ -543,7 +558,7 @@ impl EtcdClaims {
             if let Ok(stored) = parse(&kv) {
                 deletes.push(TxnOp::delete(self.index_key_of(key, &stored.claim.node)));
                 if while_gone {
-                    let k = self.keys.node(&stored.claim.node);
+                    let k = self.shared.keys.node(&stored.claim.node);
                     compares.push(Compare::absent(k.clone()));
                     liveness = Some((k, stored.claim.node));
                 }
@@ -553,11 +568,12 @@ impl EtcdClaims {
                 .map(|(k, _)| TxnOp::get(k.clone()))
                 .collect();
             let t = self
+                .shared
                 .client
                 .txn(&compares, &deletes, &failure)
                 .map_err(unavailable)?;
             if t.succeeded {
-                self.known.lock().remove(key);
+                self.shared.known.lock().remove(key);
                 return Ok(());
             }
             if let Some((_, node)) = liveness {
@@ -581,7 +597,7 @@ impl EtcdClaims {
     /// The epoch this node's record of the allocation's volume keeps (from
     /// its take, in an earlier run).
     pub(super) fn recorded_epoch(&self, volume_id: &str, alloc_id: &str) -> Option<i64> {
-        self.state.read(|s| {
+        self.shared.state.read(|s| {
             s.allocs
                 .get(alloc_id)?
                 .volumes
@@ -600,6 +616,7 @@ impl EtcdClaims {
     ) -> Result<bool, ClaimError> {
         let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
         let t = self
+            .shared
             .client
             .txn(
                 &[same],
@@ -610,7 +627,7 @@ impl EtcdClaims {
                 &[],
             )
             .map_err(unavailable)?;
-        self.known.lock().remove(key);
+        self.shared.known.lock().remove(key);
         Ok(t.succeeded)
     }
 
@@ -624,7 +641,7 @@ impl EtcdClaims {
         f: impl Fn(&mut Claim),
     ) -> Result<bool, ClaimError> {
         let key = self.key(volume_id, alloc_id);
-        let known = self.known.lock().get(&key).cloned();
+        let known = self.shared.known.lock().get(&key).cloned();
         if let Some((revision, mut stored)) = known {
             f(&mut stored.claim);
             if self.put_if_unchanged(&key, revision, &stored)? {
@@ -632,16 +649,16 @@ impl EtcdClaims {
             }
         }
         for _ in 0..CONFLICT_ATTEMPTS {
-            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
-                self.known.lock().remove(&key);
+            let Some(kv) = self.shared.client.get(&key).map_err(unavailable)? else {
+                self.shared.known.lock().remove(&key);
                 return Ok(false);
             };
             let mut stored = parse(&kv)?;
-            if (!self.node.is_empty() && stored.claim.node != self.node)
+            if (!self.shared.node.is_empty() && stored.claim.node != self.shared.node)
                 || self.other_instance(&stored)
             {
                 // The same allocation ID held on another node by now.
-                self.known.lock().remove(&key);
+                self.shared.known.lock().remove(&key);
                 return Ok(false);
             }
             f(&mut stored.claim);
@@ -665,10 +682,11 @@ impl EtcdClaims {
         let value = serde_json::to_vec(stored).expect("a claim always encodes");
         let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, revision);
         let t = self
+            .shared
             .client
             .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
             .map_err(unavailable)?;
-        let mut known = self.known.lock();
+        let mut known = self.shared.known.lock();
         if t.succeeded {
             known.insert(key.to_string(), (t.revision, stored.clone()));
         } else {

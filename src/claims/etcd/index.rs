@@ -92,24 +92,25 @@ fn keeps_index(kv: Option<&KeyValue>) -> bool {
 impl EtcdClaims {
     /// `<prefix>/node-claims/<node>/`.
     pub(crate) fn index_prefix(&self, node: &str) -> String {
-        self.keys.node_claims(node)
+        self.shared.keys.node_claims(node)
     }
 
     /// The index entry of `node`'s claim of `volume_id` by `alloc_id`.
     pub(crate) fn index_key(&self, node: &str, volume_id: &str, alloc_id: &str) -> String {
-        self.keys.node_claim(node, volume_id, alloc_id)
+        self.shared.keys.node_claim(node, volume_id, alloc_id)
     }
 
     /// The index entry of the claim at `claim_key` held by `node`.
     pub(crate) fn index_key_of(&self, claim_key: &str, node: &str) -> String {
-        self.keys
+        self.shared
+            .keys
             .node_claim_of(node, claim_key)
             .expect("a claim key lies under the claims prefix")
     }
 
     /// `<prefix>/claim-index/<node>`: the node's older claims are indexed.
     pub(crate) fn index_marker(&self, node: &str) -> String {
-        self.keys.claim_index(node)
+        self.shared.keys.claim_index(node)
     }
 
     /// The marker and settings of `node` (one `Txn`), then its entries
@@ -117,13 +118,17 @@ impl EtcdClaims {
     pub(crate) fn read_index(&self, node: &str) -> Result<IndexRead, ClaimError> {
         let (marker, settings) = self.marker_and_settings(node)?;
         let prefix = self.index_prefix(node);
-        let index = self.client.range_prefix(&prefix).map_err(unavailable)?;
+        let index = self
+            .shared
+            .client
+            .range_prefix(&prefix)
+            .map_err(unavailable)?;
         let entries = index
             .kvs
             .into_iter()
             .filter_map(|kv| {
                 let key = kv.key_str().into_owned();
-                let (v, a) = self.keys.parse_node_claim(node, &key)?;
+                let (v, a) = self.shared.keys.parse_node_claim(node, &key)?;
                 Some(((v.to_string(), a.to_string()), kv))
             })
             .collect();
@@ -140,12 +145,13 @@ impl EtcdClaims {
         node: &str,
     ) -> Result<(Option<KeyValue>, Option<KeyValue>), ClaimError> {
         let t = self
+            .shared
             .client
             .txn(
                 &[],
                 &[
                     TxnOp::get(self.index_marker(node)),
-                    TxnOp::get(self.keys.settings(node)),
+                    TxnOp::get(self.shared.keys.settings(node)),
                 ],
                 &[],
             )
@@ -178,10 +184,11 @@ impl EtcdClaims {
         }
         let settings_as_read = match &settings {
             Some(kv) => Compare::mod_revision(kv.key.clone(), CompareOp::Equal, kv.mod_revision),
-            None => Compare::absent(self.keys.settings(node)),
+            None => Compare::absent(self.shared.keys.settings(node)),
         };
         let same = Compare::mod_revision(marker.key.clone(), CompareOp::Equal, marker.mod_revision);
         let t = self
+            .shared
             .client
             .txn(
                 &[same, settings_as_read],
@@ -216,7 +223,11 @@ impl EtcdClaims {
                 .iter()
                 .map(|(v, a)| TxnOp::get(self.key(v, a)))
                 .collect();
-            let t = self.client.txn(&[], &ops, &[]).map_err(unavailable)?;
+            let t = self
+                .shared
+                .client
+                .txn(&[], &ops, &[])
+                .map_err(unavailable)?;
             if t.responses.len() != chunk.len() {
                 return Err(ClaimError::Unavailable {
                     store: "etcd".to_string(),
@@ -262,7 +273,7 @@ impl EtcdClaims {
             };
             let same =
                 Compare::mod_revision(entry.key.clone(), CompareOp::Equal, entry.mod_revision);
-            match self.client.txn(
+            match self.shared.client.txn(
                 &[same, claim_as_read],
                 &[TxnOp::delete(entry.key.clone())],
                 &[],
@@ -304,6 +315,7 @@ impl EtcdClaims {
                 Compare::create_revision(kv.key.clone(), CompareOp::Equal, kv.create_revision);
             let entry = self.index_key(node, &pair.0, &pair.1);
             let t = self
+                .shared
                 .client
                 .txn(&[same], &[TxnOp::put(entry, "")], &[])
                 .map_err(unavailable)?;
@@ -315,7 +327,8 @@ impl EtcdClaims {
         let marker = serde_json::json!({
             "instance": self.instance(), "at_ms": now_ms(),
         });
-        self.client
+        self.shared
+            .client
             .put(self.index_marker(node), marker.to_string())
             .map_err(unavailable)?;
         Ok(added)
@@ -330,6 +343,7 @@ impl EtcdClaims {
         let index = self.read_index(node)?;
         if !index.trusted {
             let r = self
+                .shared
                 .client
                 .range_prefix(self.all_prefix())
                 .map_err(unavailable)?;

@@ -15,11 +15,11 @@ impl EtcdClaims {
     /// (relative to the prefix).
     pub fn remove_node(&self, node: &str) -> Result<Vec<String>, RemoveNodeError> {
         let store = |e| RemoveNodeError::Store(unavailable(e));
-        let liveness = self.keys.node(node);
+        let liveness = self.shared.keys.node(node);
         let alive = || RemoveNodeError::Alive {
             node: node.to_string(),
         };
-        if self.client.get(&liveness).map_err(store)?.is_some() {
+        if self.shared.client.get(&liveness).map_err(store)?.is_some() {
             return Err(alive());
         }
         let held = self.claims_of_node(node).map_err(RemoveNodeError::Store)?;
@@ -31,9 +31,9 @@ impl EtcdClaims {
             });
         }
         let keys = [
-            self.keys.settings(node),
-            self.keys.reaper_lock(node),
-            self.keys.claim_index(node),
+            self.shared.keys.settings(node),
+            self.shared.keys.reaper_lock(node),
+            self.shared.keys.claim_index(node),
         ];
         // A claim taken since the read has an index entry newer than it
         // (or, without the index, is a claim newer than it).
@@ -48,6 +48,7 @@ impl EtcdClaims {
         let mut deletes: Vec<TxnOp> = keys.iter().map(|k| TxnOp::delete(k.clone())).collect();
         deletes.push(TxnOp::delete_prefix(self.index_prefix(node)));
         let t = self
+            .shared
             .client
             .txn(
                 &[Compare::absent(liveness.clone()), unchanged],
@@ -75,7 +76,7 @@ impl EtcdClaims {
             .zip(&t.responses)
             .filter(|(_, r)| matches!(r, TxnOpResponse::Delete(d) if d.deleted > 0))
             .map(|(k, _)| {
-                k.strip_prefix(self.keys.prefix())
+                k.strip_prefix(self.shared.keys.prefix())
                     .map_or(k.as_str(), |r| r.trim_start_matches('/'))
                     .to_string()
             })

@@ -16,7 +16,7 @@ impl SharedVolumes for EtcdClaims {
         let storage = StorageRef::of(spec);
         let index = self.storage_key(&storage);
         for _ in 0..=CONFLICT_ATTEMPTS {
-            let now = self.client.get(&key).map_err(unavailable)?;
+            let now = self.shared.client.get(&key).map_err(unavailable)?;
             let old = now.as_ref().map(parse_spec).transpose()?;
             if now.as_ref().is_some_and(|kv| kv.value == value) {
                 return Ok(());
@@ -36,6 +36,7 @@ impl SharedVolumes for EtcdClaims {
                 }
             });
             let t = self
+                .shared
                 .client
                 .txn(&compares, &[TxnOp::put(key.as_bytes(), value.clone())], &[])
                 .map_err(unavailable)?;
@@ -47,6 +48,7 @@ impl SharedVolumes for EtcdClaims {
                 return Ok(());
             }
             let claimed = !self
+                .shared
                 .client
                 .range_prefix(self.volume_prefix(&spec.id))
                 .map_err(unavailable)?
@@ -76,7 +78,7 @@ impl SharedVolumes for EtcdClaims {
         let volume_id = &expanded.id;
         let key = self.volume_key(volume_id);
         for _ in 0..=CONFLICT_ATTEMPTS {
-            let Some(kv) = self.client.get(&key).map_err(unavailable)? else {
+            let Some(kv) = self.shared.client.get(&key).map_err(unavailable)? else {
                 return Ok(());
             };
             let mut spec = parse_spec(&kv)?;
@@ -91,6 +93,7 @@ impl SharedVolumes for EtcdClaims {
             let value = serde_json::to_vec(&spec).expect("a volume spec always encodes");
             let same = Compare::mod_revision(key.as_bytes(), CompareOp::Equal, kv.mod_revision);
             let t = self
+                .shared
                 .client
                 .txn(&[same], &[TxnOp::put(key.as_bytes(), value)], &[])
                 .map_err(unavailable)?;
@@ -110,11 +113,12 @@ impl SharedVolumes for EtcdClaims {
     fn delete(&self, volume_id: &str) -> Result<bool, ClaimError> {
         let key = self.volume_key(volume_id);
         let unclaimed = Compare::prefix_empty(self.volume_prefix(volume_id));
-        let before = match self.client.get(&key).map_err(unavailable)? {
+        let before = match self.shared.client.get(&key).map_err(unavailable)? {
             Some(kv) => parse_spec(&kv).ok(),
             None => None,
         };
         let t = self
+            .shared
             .client
             .txn(&[unclaimed], &[TxnOp::delete(key.as_bytes())], &[])
             .map_err(unavailable)?;
@@ -138,6 +142,7 @@ impl SharedVolumes for EtcdClaims {
     /// compares (`registration_for`).
     fn get(&self, volume_id: &str) -> Result<Option<VolumeSpec>, ClaimError> {
         let kv = self
+            .shared
             .client
             .get(self.volume_key(volume_id))
             .map_err(unavailable)?;
@@ -146,8 +151,9 @@ impl SharedVolumes for EtcdClaims {
 
     fn list(&self) -> Result<Vec<VolumeSpec>, ClaimError> {
         let r = self
+            .shared
             .client
-            .range_prefix(self.keys.volumes())
+            .range_prefix(self.shared.keys.volumes())
             .map_err(unavailable)?;
         r.kvs.iter().map(parse_spec).collect()
     }
@@ -174,7 +180,7 @@ impl EtcdClaims {
             .bytes()
             .map(|b| format!("{b:02x}"))
             .collect();
-        self.keys.storage(&storage.plugin_id, &hex)
+        self.shared.keys.storage(&storage.plugin_id, &hex)
     }
 
     /// Makes the storage index name `name`: written when absent, or when
@@ -184,11 +190,12 @@ impl EtcdClaims {
     pub(super) fn name_storage(&self, storage: &StorageRef, name: &str) -> Result<(), ClaimError> {
         let index = self.storage_key(storage);
         for _ in 0..=CONFLICT_ATTEMPTS {
-            let compare = match self.client.get(&index).map_err(unavailable)? {
+            let compare = match self.shared.client.get(&index).map_err(unavailable)? {
                 Some(kv) if kv.value == name.as_bytes() => return Ok(()),
                 Some(kv) => {
                     let other = String::from_utf8_lossy(&kv.value).into_owned();
                     let holds = match self
+                        .shared
                         .client
                         .get(self.volume_key(&other))
                         .map_err(unavailable)?
@@ -211,6 +218,7 @@ impl EtcdClaims {
                 None => Compare::create_revision(index.as_bytes(), CompareOp::Equal, 0),
             };
             let t = self
+                .shared
                 .client
                 .txn(
                     &[compare],
@@ -231,6 +239,7 @@ impl EtcdClaims {
         let index = self.storage_key(storage);
         let ours = Compare::value(index.as_bytes(), CompareOp::Equal, name.as_bytes());
         if let Err(e) = self
+            .shared
             .client
             .txn(&[ours], &[TxnOp::delete(index.as_bytes())], &[])
         {
@@ -253,11 +262,11 @@ impl EtcdClaims {
         kv: Option<&KeyValue>,
     ) -> Result<Option<VolumeSpec>, ClaimError> {
         let Some(kv) = kv else {
-            self.registrations.lock().remove(volume_id);
+            self.shared.registrations.lock().remove(volume_id);
             return Ok(None);
         };
         let spec = parse_spec(kv)?;
-        self.registrations.lock().insert(
+        self.shared.registrations.lock().insert(
             volume_id.to_string(),
             (kv.mod_revision, StorageRef::of(&spec)),
         );
@@ -274,12 +283,13 @@ impl EtcdClaims {
         volume_id: &str,
         storage: &StorageRef,
     ) -> Result<i64, ClaimError> {
-        if let Some((rev, seen)) = self.registrations.lock().get(volume_id) {
+        if let Some((rev, seen)) = self.shared.registrations.lock().get(volume_id) {
             if seen == storage {
                 return Ok(*rev);
             }
         }
         let kv = self
+            .shared
             .client
             .get(self.volume_key(volume_id))
             .map_err(unavailable)?;

@@ -21,11 +21,12 @@ impl EtcdClaims {
     /// Writes the schema when etcd holds none, else checks it: Err (said
     /// in the log) when it is not this agent's.
     pub fn check_schema(&self) -> Result<(), String> {
-        let key = self.keys.schema();
+        let key = self.shared.keys.schema();
         let ours = keys::SCHEMA_VERSION;
         let value = serde_json::to_vec(&SchemaRecord { version: ours })
             .expect("a schema record always encodes");
         let t = self
+            .shared
             .client
             .txn(
                 &[Compare::absent(key.clone())],

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use claimd::claims::{
-    check_claim, Applied, Claim, ClaimChange, ClaimError, ClaimState, ClaimStore, EmbeddedClaims,
-    Outcomes, Transaction,
+    check_claim, Applied, Claim, ClaimChange, ClaimError, ClaimFilter, ClaimState, ClaimStore,
+    EmbeddedClaims, Listing, Outcomes, Transaction,
 };
 use claimd::state::{StateError, StateFile, StateStore};
 use parking_lot::Mutex;
@@ -342,10 +342,19 @@ impl ClaimStore for TestClaims {
         })
     }
 
-    fn list(&self) -> Vec<Claim> {
+    fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError> {
         match self.kind {
-            StoreKind::Embedded => self.embedded.list(),
-            StoreKind::Remote => self.remote.lock().values().cloned().collect(),
+            StoreKind::Embedded => self.embedded.list_claims(filter),
+            StoreKind::Remote => Ok(Listing {
+                claims: self
+                    .remote
+                    .lock()
+                    .values()
+                    .filter(|c| filter.admits(c))
+                    .cloned()
+                    .collect(),
+                problems: Vec::new(),
+            }),
         }
     }
 }

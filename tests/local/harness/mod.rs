@@ -302,6 +302,14 @@ impl Harness {
         &self.running().claims
     }
 
+    /// Every claim of the lifecycle's claim store.
+    pub fn all_claims(&self) -> Vec<claimd::claims::Claim> {
+        self.m()
+            .list_claims(claimd::claims::ClaimFilter::ALL)
+            .expect("the test claim store answers")
+            .claims
+    }
+
     pub fn registry(&self) -> &Registry {
         &self.running().registry
     }

@@ -70,7 +70,7 @@ fn mount_then_release_sends_the_exact_calls_and_leaves_nothing() {
     assert!(!st.allocs["a1"].releasing);
     let claim = full_claim("v", "a1", ClaimMode::Write, AccessMode::SingleNodeWriter);
     assert_eq!(claim_list(&st), vec![claim.clone()]);
-    assert_eq!(h.m().claims().list(), vec![claim]);
+    assert_eq!(h.all_claims(), vec![claim]);
     assert_eq!(h.claims().claim_calls(), 1);
 
     // Mounting again with the same request answers the same paths and
@@ -153,7 +153,7 @@ fn read_only_request_gives_a_read_only_mount() {
     let e = fs::write(target.join("x"), b"x").expect_err("writing a read-only mount");
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a1",
@@ -200,7 +200,7 @@ fn final_claim_error_mounts_nothing_and_claims_nothing() {
     let st = h.state_on_disk();
     assert!(st.allocs.is_empty(), "{:?}", st.allocs);
     assert!(st.claims.is_empty());
-    assert!(h.m().claims().list().is_empty());
+    assert!(h.all_claims().is_empty());
     assert!(h.m().list_allocs().is_empty());
     assert_eq!(h.tree(), Vec::<String>::new());
     assert_eq!(mount_points_under(&h.mount_root), Vec::<PathBuf>::new());
@@ -234,7 +234,7 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
     // Nothing was sent for a2, nothing claimed for it.
     assert_eq!(h.lifecycle_calls().len(), 3);
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a1",
@@ -272,7 +272,7 @@ fn second_writer_waits_for_the_held_claim_then_gets_the_volume() {
         sorted(vec![h.staging("v"), t2])
     );
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a2",
@@ -407,7 +407,7 @@ fn two_allocations_share_one_staging_and_one_attachment() {
         BTreeMap::from([(external_id("v"), vec![PLUGIN_NODE_ID.to_string()])])
     );
     assert_eq!(
-        h.m().claims().list(),
+        h.all_claims(),
         vec![full_claim(
             "v",
             "a2",

@@ -74,8 +74,7 @@ fn a_detach_being_retried_shows_the_claim_node_detached() {
     ]));
     h.m().release("a1").expect("release");
     let claim = || {
-        h.m()
-            .list_claims()
+        h.all_claims()
             .into_iter()
             .find(|c| c.volume_id == "v" && c.alloc_id == "a1")
     };
@@ -421,7 +420,7 @@ fn remote_store_unreachable_during_mount_is_retried_and_claims_stay_remote() {
             "{log:?}"
         );
         assert_eq!(local_claims(&h), 0, "claims are never in the local state");
-        let claims = h.m().claims().list();
+        let claims = h.all_claims();
         assert_eq!(claims.len(), 1);
         assert_eq!(claims[0].state, ClaimState::Taken);
         assert_eq!(
