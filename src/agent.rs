@@ -1,7 +1,10 @@
 //! The agent process, started in named phases (open the state and the
 //! plugin registry, join the cluster, restore, serve), and a graceful stop
 //! bounded by the longest CSI deadline. What a start has running is
-//! joined by one `Running::join_all`, on stop and on a failed start.
+//! joined by one `Running::join_all`, on stop and when serving fails to
+//! start; a start that fails earlier (joining the cluster, the restore's
+//! cluster work) returns at once, and its threads end on the stop signal
+//! (`claimd agent` gives it on every exit).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -299,7 +302,7 @@ fn join_cluster(
 }
 
 /// What runs once the state is restored: joined by `join_all`, on stop
-/// and when the start fails after the restore.
+/// and when serving fails to start.
 struct Running {
     lifecycle: Lifecycle,
     registry: Registry,

@@ -403,7 +403,13 @@ impl EtcdClaims {
 
     fn apply(&self, change: &ClaimChange) -> Result<(), ClaimError> {
         match change {
-            ClaimChange::Take(req) => self.take(req),
+            // A mark still waiting for this claim was made for an earlier
+            // claim of the same allocation (or for this one, now freed).
+            ClaimChange::Take(req) => {
+                self.take(req)?;
+                self.shared.marks.forget(&req.volume_id, &req.alloc_id);
+                Ok(())
+            }
             ClaimChange::Attach {
                 volume_id,
                 alloc_id,
@@ -456,13 +462,17 @@ impl EtcdClaims {
                 holder,
                 while_gone,
                 by_hand,
-            } => self.free(
-                volume_id,
-                alloc_id,
-                holder.as_deref(),
-                *while_gone,
-                by_hand.as_deref(),
-            ),
+            } => {
+                self.free(
+                    volume_id,
+                    alloc_id,
+                    holder.as_deref(),
+                    *while_gone,
+                    by_hand.as_deref(),
+                )?;
+                self.shared.marks.forget(volume_id, alloc_id);
+                Ok(())
+            }
         }
     }
 }

@@ -9,8 +9,15 @@
 //! `node-detached` (a late `releasing` never hides a later `node-detached`;
 //! the write checks the same against what etcd holds). So the queue holds
 //! at most one mark per claim of this node, however long etcd is away.
-//! Marks are best effort: one that fails is logged and dropped, and those
-//! still waiting when the agent stops are dropped (with a line in the log).
+//! Marks are best effort: one that fails is logged and dropped; when etcd
+//! does not answer, the marks waiting then are dropped with it (each would
+//! wait out a call deadline in turn); those still waiting when the agent
+//! stops are dropped (with a line in the log).
+//!
+//! A mark is for one claim: it carries the claim's epoch, and a take or a
+//! free of that volume and allocation drops the mark still waiting, so a
+//! mark made for an earlier claim never lands on a later one (Podman
+//! mounts one allocation again and again under one mount ID).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -18,6 +25,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::EtcdClaims;
+use crate::claims::ClaimError;
 use crate::shutdown::Shutdown;
 use crate::state::{Claim, ClaimState};
 use crate::threads::Threads;
@@ -31,6 +39,10 @@ pub(super) struct Mark {
     pub(super) state: ClaimState,
     /// Why the detach is retried (`node-detached`).
     pub(super) error: Option<String>,
+    /// The epoch (create revision) of the claim the mark was made for, as
+    /// this process knew it: a claim of the same volume and allocation
+    /// taken again since is another claim, and the mark is dropped.
+    pub(super) epoch: Option<i64>,
 }
 
 impl Mark {
@@ -109,6 +121,24 @@ impl Queue {
         self.publish();
     }
 
+    /// Drops the mark waiting for a claim (taken again or freed: it was
+    /// made for an earlier claim).
+    fn forget(&mut self, key: &ClaimKey) {
+        if self.pending.remove(key).is_some() {
+            self.order.retain(|k| k != key);
+            self.publish();
+        }
+    }
+
+    /// Drops every mark waiting; how many.
+    fn clear(&mut self) -> usize {
+        let n = self.pending.len();
+        self.pending.clear();
+        self.order.clear();
+        self.publish();
+        n
+    }
+
     /// Stops the queue; how many marks were still waiting (dropped).
     fn stop(&mut self) -> usize {
         self.phase = Phase::Stopped;
@@ -160,6 +190,15 @@ impl Marks {
         }
     }
 
+    /// Drops the mark waiting for the claim of `volume_id` by `alloc_id`:
+    /// called when that claim is taken or freed, so a mark made for an
+    /// earlier claim never lands on a later one of the same allocation.
+    pub(super) fn forget(&self, volume_id: &str, alloc_id: &str) {
+        self.queue
+            .lock()
+            .forget(&(volume_id.to_string(), alloc_id.to_string()));
+    }
+
     /// Whether the marker was started already; marks it started.
     fn start(&self) -> bool {
         let mut q = self.queue.lock();
@@ -171,14 +210,29 @@ impl Marks {
     }
 
     /// The marker's loop: writes the marks one by one, first queued first,
-    /// until `shutdown`.
-    fn run(&self, shutdown: &Shutdown, write: impl Fn(&str, &str, &Mark)) {
+    /// until `shutdown`. `write` answers `Unreachable` when etcd did not
+    /// answer: the marks waiting then were made while it was away, and
+    /// each would cost a call deadline of its own, so they are dropped
+    /// (as a mark that fails always is) rather than tried in turn. A panic
+    /// stops the queue too, so marks are not queued for nothing.
+    fn run(&self, shutdown: &Shutdown, write: impl Fn(&str, &str, &Mark) -> Written) {
+        let _stopped = StopOnExit(self);
         while !shutdown.is_triggered() {
             let next = self.queue.lock().pop();
             match next {
                 Some(((volume_id, alloc_id), mark)) => {
-                    write(&volume_id, &alloc_id, &mark);
-                    self.queue.lock().written();
+                    let written = write(&volume_id, &alloc_id, &mark);
+                    let mut q = self.queue.lock();
+                    q.written();
+                    if written == Written::Unreachable {
+                        let dropped = q.clear();
+                        drop(q);
+                        if dropped > 0 {
+                            log::info!(
+                                "cluster: {dropped} claim state mark(s) not written: etcd did not answer"
+                            );
+                        }
+                    }
                 }
                 None => crossbeam_channel::select! {
                     recv(self.bell.1) -> _ => {}
@@ -186,8 +240,28 @@ impl Marks {
                 },
             }
         }
-        let left = self.queue.lock().stop();
-        if left > 0 {
+    }
+}
+
+/// What became of one mark's write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Written {
+    /// Written, or dropped for a reason of its own (the claim gone,
+    /// taken again, refused).
+    Done,
+    /// etcd did not answer.
+    Unreachable,
+}
+
+/// Stops the queue when the marker's loop ends, by the stop or by a panic.
+struct StopOnExit<'m>(&'m Marks);
+
+impl Drop for StopOnExit<'_> {
+    fn drop(&mut self) {
+        let left = self.0.queue.lock().stop();
+        if std::thread::panicking() {
+            log::error!("cluster: the claim marker stopped: {left} claim state mark(s) not written, and none will be until the agent restarts");
+        } else if left > 0 {
             log::info!("cluster: {left} claim state mark(s) not written: the agent is stopping");
         }
     }
@@ -220,18 +294,44 @@ impl EtcdClaims {
         state: ClaimState,
         error: Option<String>,
     ) {
-        self.shared
-            .marks
-            .push(volume_id, alloc_id, Mark { state, error });
+        let epoch = self.epoch_known(volume_id, alloc_id);
+        self.shared.marks.push(
+            volume_id,
+            alloc_id,
+            Mark {
+                state,
+                error,
+                epoch,
+            },
+        );
     }
 
-    fn write_mark(&self, volume_id: &str, alloc_id: &str, mark: &Mark) {
-        if let Err(e) = self.update(volume_id, alloc_id, |c| mark.apply(c)) {
+    fn write_mark(&self, volume_id: &str, alloc_id: &str, mark: &Mark) -> Written {
+        if mark.epoch.is_some() && self.epoch_known(volume_id, alloc_id) != mark.epoch {
             log::info!(
-                "cluster: claim of {volume_id} by {alloc_id} not marked {:?}: {e}",
+                "cluster: claim of {volume_id} by {alloc_id} not marked {:?}: freed or taken again since",
                 mark.state
             );
+            return Written::Done;
         }
+        match self.update(volume_id, alloc_id, |c| mark.apply(c)) {
+            Ok(_) => Written::Done,
+            Err(e) => {
+                log::info!(
+                    "cluster: claim of {volume_id} by {alloc_id} not marked {:?}: {e}",
+                    mark.state
+                );
+                match e {
+                    ClaimError::Unavailable { .. } => Written::Unreachable,
+                    _ => Written::Done,
+                }
+            }
+        }
+    }
+
+    /// The claim's epoch as this process took or read it (no round trip).
+    fn epoch_known(&self, volume_id: &str, alloc_id: &str) -> Option<i64> {
+        crate::claims::ClaimStore::epoch(self, volume_id, alloc_id)
     }
 }
 
@@ -245,6 +345,7 @@ mod tests {
         Mark {
             state: ClaimState::Releasing,
             error: None,
+            epoch: None,
         }
     }
 
@@ -252,6 +353,7 @@ mod tests {
         Mark {
             state: ClaimState::NodeDetached,
             error: Some(why.to_string()),
+            epoch: None,
         }
     }
 
@@ -321,6 +423,7 @@ mod tests {
                     // Each write waits for the test: the callers do not.
                     let _ = gate_rx.recv_timeout(Duration::from_secs(10));
                     w.lock().push((v.to_string(), a.to_string(), mark.state));
+                    Written::Done
                 })
             })
             .expect("spawn");
@@ -346,5 +449,67 @@ mod tests {
         assert!(left.is_empty(), "the marker stops with the agent: {left:?}");
         assert_eq!(marks.queue.lock().phase, Phase::Stopped);
         assert!(marks.queue.lock().pending.is_empty());
+    }
+
+    #[test]
+    fn an_unanswered_write_drops_the_waiting_marks_and_a_take_or_free_drops_its_own() {
+        let mut q = Queue::default();
+        q.push(key("v", "a"), releasing());
+        q.push(key("w", "a"), releasing());
+        q.forget(&key("v", "a"));
+        assert_eq!(q.pop(), Some((key("w", "a"), releasing())));
+        q.written();
+        assert_eq!(q.pop(), None);
+
+        let marks = Arc::new(Marks::default());
+        let shutdown = Shutdown::new();
+        let tried = Arc::new(Mutex::new(Vec::new()));
+        let (gate_tx, gate_rx) = crossbeam_channel::unbounded::<()>();
+        marks.push("v", "a", releasing());
+        marks.push("w", "a", releasing());
+        marks.push("x", "a", releasing());
+        assert!(!marks.start());
+        let mut threads = Threads::new();
+        let (m, s, t) = (marks.clone(), shutdown.clone(), tried.clone());
+        threads
+            .spawn(MARKER_THREAD, move || {
+                m.run(&s, |v, _, _| {
+                    let _ = gate_rx.recv_timeout(Duration::from_secs(10));
+                    t.lock().push(v.to_string());
+                    Written::Unreachable
+                })
+            })
+            .expect("spawn");
+        gate_tx.send(()).expect("gate");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while (tried.lock().is_empty() || marks.queue.lock().writing) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(*tried.lock(), ["v"], "one unanswered write, not three");
+        assert!(marks.queue.lock().pending.is_empty(), "the others dropped");
+        shutdown.trigger();
+        drop(gate_tx);
+        assert!(threads
+            .join_until(Instant::now() + Duration::from_secs(10))
+            .is_empty());
+    }
+
+    #[test]
+    fn a_marker_that_panics_stops_its_queue() {
+        let marks = Arc::new(Marks::default());
+        marks.push("v", "a", releasing());
+        assert!(!marks.start());
+        let m = marks.clone();
+        let ended = std::thread::spawn(move || {
+            m.run(&Shutdown::new(), |_, _, _| panic!("a write that panics"))
+        })
+        .join();
+        assert!(ended.is_err(), "the write panicked");
+        assert_eq!(marks.queue.lock().phase, Phase::Stopped);
+        marks.push("w", "a", releasing());
+        assert!(
+            marks.queue.lock().pending.is_empty(),
+            "nothing queued for nothing"
+        );
     }
 }
