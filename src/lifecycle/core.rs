@@ -282,6 +282,19 @@ impl Core {
             None => Err(SpawnError::Stopping),
         }
     }
+
+    /// Like `spawn`, on a pooled thread (`Threads::spawn_pooled`): for a job
+    /// that ends, such as one volume's release.
+    pub fn spawn_pooled(
+        &self,
+        name: String,
+        f: impl FnOnce() + Send + 'static,
+    ) -> Result<(), SpawnError> {
+        match self.workers.lock().as_mut() {
+            Some(t) => t.spawn_pooled(name, f).map_err(SpawnError::Io),
+            None => Err(SpawnError::Stopping),
+        }
+    }
 }
 
 /// How long the closing write of an operation waits for company: an

@@ -117,7 +117,7 @@ fn spawn_worker(core: &Arc<Core>, alloc_id: &str, alias: &str) -> Result<(), Rel
     }
     let c = core.clone();
     let (a, al) = (alloc_id.to_string(), alias.to_string());
-    let spawned = core.spawn(format!("release-{volume}"), move || worker(&c, &a, &al));
+    let spawned = core.spawn_pooled(format!("release-{volume}"), move || worker(&c, &a, &al));
     if let Err(e) = spawned {
         let e = match e {
             SpawnError::Io(e) => ReleaseError::Spawn(e),

@@ -509,16 +509,24 @@ fn main() {
             ));
         }
         let (rss, peak) = rss_and_peak(agent.pid());
+        // And once the pooled threads that served them have ended.
+        let idle = wait_agent_idle(agent.pid(), true, Duration::from_secs(30));
+        let (rss_idle, _) = rss_and_peak(agent.pid());
         results.insert(
             "rss_kib_after_overhead".into(),
-            json!({"rss": rss, "peak": peak}),
+            json!({"rss": rss, "peak": peak, "rss_once_idle": rss_idle, "idle": idle}),
         );
         table.push((
             format!(
-                "RSS / peak RSS (VmHWM) after {} mounts and releases x2",
+                "RSS / peak RSS (VmHWM) after {} mounts and releases x2; RSS once its pooled threads ended",
                 args.n
             ),
-            mib_pair(rss, peak),
+            format!(
+                "{}; {:.1} MiB{}",
+                mib_pair(rss, peak),
+                rss_idle as f64 / 1024.0,
+                if idle { "" } else { " (a thread still ran)" }
+            ),
         ));
         agent.stop();
     }
@@ -543,15 +551,25 @@ fn main() {
         }
         // The same figures with nothing on record, in the same run: what
         // grows with the count is the difference.
-        growth::growth(0, &c, metrics_addr, &mut results, &mut table);
+        growth::growth(0, &dir, &c, metrics_addr, &mut results, &mut table);
         run_parallel(args.restart_n, args.concurrency, |i| {
             mount(&c, &format!("r-a{i}"), &[format!("r{i}")])
         });
-        // Once the last request's thread has ended (the agent gives back
-        // the heap it freed when it goes idle).
-        wait_api_threads_done(agent.pid(), Duration::from_secs(10));
+        // Once no request runs (the agent gives back the heap it freed
+        // when it goes idle), then once the pooled threads that served
+        // them have ended too.
+        wait_agent_idle(agent.pid(), false, Duration::from_secs(10));
+        let (rss_n_pooled, _) = rss_and_peak(agent.pid());
+        wait_agent_idle(agent.pid(), true, Duration::from_secs(30));
         let (rss_n, peak) = rss_and_peak(agent.pid());
-        growth::growth(args.restart_n, &c, metrics_addr, &mut results, &mut table);
+        growth::growth(
+            args.restart_n,
+            &dir,
+            &c,
+            metrics_addr,
+            &mut results,
+            &mut table,
+        );
         // Write cost of one more mount and release with N on record.
         let b = stats(&c);
         mount(&c, "one-more", &["shared".to_string()]);
@@ -590,9 +608,20 @@ fn main() {
         ));
         results.insert("rss_kib_n_allocs".into(), json!(rss_n));
         results.insert("peak_rss_kib_n_allocs".into(), json!(peak));
+        results.insert(
+            "rss_kib_n_allocs_pooled_waiting".into(),
+            json!(rss_n_pooled),
+        );
         table.push((
-            format!("RSS / peak RSS (VmHWM) with {} allocations", args.restart_n),
-            mib_pair(rss_n, peak),
+            format!(
+                "RSS / peak RSS (VmHWM) with {} allocations, once idle; RSS while its pooled threads still waited",
+                args.restart_n
+            ),
+            format!(
+                "{}; {:.1} MiB",
+                mib_pair(rss_n, peak),
+                rss_n_pooled as f64 / 1024.0
+            ),
         ));
         // 100 mounts and releases, 16 at a time: durable writes and
         // fsyncs per operation (group commit shares them).
@@ -676,8 +705,9 @@ fn main() {
             mib_pair(rss_restart, peak_restart),
         ));
         // Once the answer's thread has ended (it gives back the heap a
-        // large answer freed): the resident memory the agent keeps.
-        let settled = wait_api_threads_done(agent.pid(), Duration::from_secs(10));
+        // large answer freed) and no pooled thread waits: the resident
+        // memory the agent keeps.
+        let settled = wait_agent_idle(agent.pid(), true, Duration::from_secs(30));
         let (rss_settled, _) = rss_and_peak(agent.pid());
         results.insert(
             "rss_kib_n_allocs_after_restart_settled".into(),
