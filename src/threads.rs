@@ -17,7 +17,9 @@ use parking_lot::Mutex;
 /// threads, an idle agent keeps none.
 pub const POOL_IDLE_KEEP: Duration = Duration::from_secs(1);
 /// Pooled threads kept waiting at most; past this many, a thread whose job
-/// ended ends too.
+/// ended ends too. (A thread that waited out `POOL_IDLE_KEEP` while a job
+/// was on its way to it waits again uncounted, so a few more may wait for
+/// a moment.)
 pub const POOL_IDLE_MAX: usize = 16;
 /// What a pooled thread is called while it waits for a job.
 pub const POOL_IDLE_NAME: &str = "pool-idle";
@@ -25,6 +27,36 @@ pub const POOL_IDLE_NAME: &str = "pool-idle";
 /// A thread's name as its owner reports it; a pooled thread's changes
 /// with its job.
 type Name = Arc<Mutex<String>>;
+
+thread_local! {
+    /// The job a pooled thread runs (std's name is the first job's).
+    static JOB_NAME: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Calls `f` with the calling thread's name for logs: the job it runs if it
+/// is a pooled thread, else the name it was started with.
+pub fn with_current_name<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
+    JOB_NAME.with(|job| match job.borrow().as_deref() {
+        Some(name) => f(Some(name)),
+        None => f(std::thread::current().name()),
+    })
+}
+
+/// Names the calling thread for logs (`with_current_name`), for the
+/// owner's report and in `/proc/self/task/TID/comm` (the kernel keeps the
+/// first 15 bytes).
+fn name_current(name: &str, shown: &Mutex<String>) {
+    JOB_NAME.with(|job| *job.borrow_mut() = Some(name.to_string()));
+    name.clone_into(&mut shown.lock());
+    let Ok(name) = std::ffi::CString::new(name) else {
+        return;
+    };
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string from a live
+    // pointer, and names only the calling thread.
+    unsafe {
+        libc::prctl(libc::PR_SET_NAME, name.as_ptr());
+    }
+}
 
 /// Owns a set of named threads.
 pub struct Threads {
@@ -143,10 +175,11 @@ impl Threads {
     /// waits for another to end). A pooled thread is owned and joined like
     /// the others; it waits `POOL_IDLE_KEEP` for its next job, and ends at
     /// once when this owner is joined. For jobs that come in bursts and
-    /// allocate little that outlives them (releases, restores): a thread's
-    /// start and end cost more than many of them.
+    /// allocate little that outlives them (releases): a thread's start and
+    /// end cost more than many of them. Logs name the job
+    /// (`with_current_name`).
     ///
-    /// Not for API requests: a mount's long-lived records allocated from
+    /// Not for API requests nor restores: a mount's long-lived records allocated from
     /// threads that live on (glibc's per-thread malloc caches keep chunks
     /// across jobs) left the heap more fragmented: 66.1 against 63.8 MiB
     /// resident with 10,000 allocations, one run each; 63.0 with glibc's
@@ -156,6 +189,7 @@ impl Threads {
         name: impl Into<String>,
         f: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<()> {
+        self.reap();
         let name = name.into();
         let pool = self.pool.get_or_insert_with(Pool::new);
         let waiting = pool
@@ -167,7 +201,6 @@ impl Threads {
             return Ok(());
         }
         let (rx, idle, keep) = (pool.rx.clone(), pool.idle.clone(), self.pool_keep);
-        self.reap();
         let id = self.next_id;
         self.next_id += 1;
         let done = self.done_tx.clone();
@@ -218,14 +251,15 @@ impl Threads {
 /// A pooled thread after its first job: waits for the next (see `Pool`).
 fn pooled(rx: &Receiver<Job>, idle: &AtomicUsize, keep: Duration, shown: &Mutex<String>) {
     loop {
+        // Named idle as soon as its job ended (a stop's report then never
+        // names a finished job).
+        name_current(POOL_IDLE_NAME, shown);
         let waits = idle.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
             (n < POOL_IDLE_MAX).then_some(n + 1)
         });
         if waits.is_err() {
             return;
         }
-        POOL_IDLE_NAME.clone_into(&mut shown.lock());
-        set_current_name(POOL_IDLE_NAME);
         let (name, job) = loop {
             match rx.recv_timeout(keep) {
                 Ok(job) => break job,
@@ -240,22 +274,8 @@ fn pooled(rx: &Receiver<Job>, idle: &AtomicUsize, keep: Duration, shown: &Mutex<
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         };
-        set_current_name(&name);
-        *shown.lock() = name;
+        name_current(&name, shown);
         job();
-    }
-}
-
-/// Names the calling thread as `/proc/self/task/TID/comm` shows it (the
-/// kernel keeps the first 15 bytes).
-fn set_current_name(name: &str) {
-    let Ok(name) = std::ffi::CString::new(name) else {
-        return;
-    };
-    // SAFETY: PR_SET_NAME reads a NUL-terminated string from a live
-    // pointer, and names only the calling thread.
-    unsafe {
-        libc::prctl(libc::PR_SET_NAME, name.as_ptr());
     }
 }
 
@@ -406,24 +426,30 @@ mod tests {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(0);
         let tx1 = tx.clone();
-        t.spawn_pooled("api-first", move || {
+        t.spawn_pooled("job-first", move || {
             let _ = tx1.send((tid(), comm_of(tid())));
         })
         .expect("spawn");
         let (first, name) = rx.recv().expect("first job ran");
-        assert_eq!(name, "api-first");
-        // The job has ended; the thread shows as idle once it waits.
-        while comm_of(first) != POOL_IDLE_NAME {
+        assert_eq!(name, "job-first");
+        // The job has ended; the thread waits (counted idle), named idle.
+        let idle = t.pool.as_ref().expect("a pool").idle.clone();
+        while idle.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();
         }
+        assert_eq!(comm_of(first), POOL_IDLE_NAME);
         let tx2 = tx.clone();
         t.spawn_pooled("release-v1", move || {
+            let logged = with_current_name(|n| n.map(String::from));
             let _ = tx2.send((tid(), comm_of(tid())));
+            let _ = tx2.send((0, logged.unwrap_or_default()));
             let _ = go_rx.recv();
         })
         .expect("spawn");
         let (second, name) = rx.recv().expect("second job ran");
         assert_eq!((second, name.as_str()), (first, "release-v1"));
+        let (_, logged) = rx.recv().expect("the log's name");
+        assert_eq!(logged, "release-v1", "logs name the job, not the first one");
         assert_eq!(t.len(), 1, "the waiting thread ran it, none was started");
         // The job blocks: the owner names it by its job when joined.
         let left = t.join_until(Instant::now() + Duration::from_millis(100));

@@ -75,15 +75,16 @@ fn init_logger(default: &str) {
     let _ = env_logger::Builder::from_env(env)
         .format(|buf, record| {
             use std::io::Write;
-            let t = std::thread::current();
-            writeln!(
-                buf,
-                "{} {:5} [{}] {}",
-                buf.timestamp_millis(),
-                record.level(),
-                t.name().unwrap_or("-"),
-                record.args()
-            )
+            crate::threads::with_current_name(|name| {
+                writeln!(
+                    buf,
+                    "{} {:5} [{}] {}",
+                    buf.timestamp_millis(),
+                    record.level(),
+                    name.unwrap_or("-"),
+                    record.args()
+                )
+            })
         })
         .try_init();
 }

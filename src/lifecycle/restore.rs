@@ -205,7 +205,7 @@ fn finish_mounts(
         };
         let c = core.clone();
         let (id2, tx, remount) = (id.clone(), tx.clone(), remount.clone());
-        let spawned = core.spawn_pooled(format!("restore-{id}"), move || {
+        let spawned = core.spawn(format!("restore-{id}"), move || {
             let r = restore_alloc(&c, &id2, &remount, guard);
             if let Err(e) = &r {
                 log::error!(

@@ -94,11 +94,26 @@ fn bare_durable_append(path: &Path, bytes: usize) -> f64 {
     t.elapsed().as_secs_f64() * 1000.0
 }
 
+/// Creates three nested new directories under `dir` (as a mount's
+/// staging and target parents are), then removes them: what the
+/// directories of a mount cost on this file system at this moment,
+/// without the agent. Answers the creation's time in milliseconds.
+fn bare_mkdirs(dir: &Path, i: usize) -> f64 {
+    let top = dir.join(format!("mkdir-probe-{i}"));
+    let deepest = top.join("alloc").join("volume");
+    let t = Instant::now();
+    std::fs::create_dir_all(&deepest).expect("create the probe's directories");
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    std::fs::remove_dir_all(&top).expect("remove the probe's directories");
+    ms
+}
+
 /// Measures, with `n` allocations on record: one mount and one release
 /// of volume `shared` (their times, state bytes and mean write time), then
 /// `alloc status` and a /metrics scrape (medians of 5). `dir` is on the
-/// agent's disk: a bare durable write there, just before each timed mount,
-/// is what the agent's own wait for durability is compared with.
+/// agent's disk: a bare durable write and three bare mkdirs there, just
+/// before each timed mount, are what the agent's own wait for durability
+/// and its directories are compared with.
 pub fn growth(
     n: usize,
     dir: &Path,
@@ -134,9 +149,12 @@ pub fn growth(
     // the median of a few more, each cycle timed alone.
     let (mut own_mount, mut own_release) = (Vec::new(), Vec::new());
     let (mut waits, mut bare_writes, mut own_less_wait) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dirs, mut own_rest) = (Vec::new(), Vec::new());
     let probe = dir.join("fdatasync-probe");
-    for _ in 0..OWN_RUNS {
+    for run in 0..OWN_RUNS {
         bare_writes.push(bare_durable_append(&probe, 1600));
+        let mkdirs = bare_mkdirs(dir, run);
+        dirs.push(mkdirs);
         let a = metrics_text(c);
         let t = Instant::now();
         mount(c, "growth-one", &["shared".to_string()]);
@@ -153,6 +171,7 @@ pub fn growth(
         own_mount.push(own);
         waits.push(wait);
         own_less_wait.push(own - wait);
+        own_rest.push(own - wait - mkdirs);
         own_release.push(release_ms - (csi_seconds(&e) - csi_seconds(&b)) * 1000.0);
         stats(c);
     }
@@ -166,6 +185,7 @@ pub fn growth(
         mid(&mut bare_writes),
         mid(&mut own_less_wait),
     );
+    let (bare_dirs, own_rest) = (mid(&mut dirs), mid(&mut own_rest));
     let _ = std::fs::remove_file(&probe);
     let status = median(5, || {
         c.raw()
@@ -190,6 +210,8 @@ pub fn growth(
             "own_mount_wait_for_durability_ms_median": wait,
             "own_mount_less_wait_ms_median": own_less_wait,
             "bare_durable_append_ms_median": bare_write,
+            "bare_mkdirs_ms_median": bare_dirs,
+            "own_mount_less_wait_and_bare_mkdirs_ms_median": own_rest,
             "alloc_status_ms": status.as_secs_f64() * 1000.0,
             "metrics_scrape_ms": scrape_time.as_secs_f64() * 1000.0,
             "metrics_scrape_bytes": scraped,
@@ -226,15 +248,16 @@ pub fn growth(
     ));
     table.push((
         format!(
-            "with {n} on record: of the agent's own part of a mount, its wait for durability / the rest; a bare 1.6 KiB append + fdatasync beside it, medians of {OWN_RUNS}"
+            "with {n} on record: of the agent's own part of a mount, its wait for durability / the rest / the rest less 3 bare mkdirs; beside it a bare 1.6 KiB append + fdatasync / 3 mkdirs, medians of {OWN_RUNS}"
         ),
-        format!("{wait:.2} / {own_less_wait:.2} ms; {bare_write:.2} ms"),
+        format!("{wait:.2} / {own_less_wait:.2} / {own_rest:.2} ms; {bare_write:.2} / {bare_dirs:.2} ms"),
     ));
     if n > 0 {
         let at_none = |key: &str| results.get("growth_0").and_then(|g| g[key].as_f64());
-        if let (Some(none), Some(none_rest), Some(none_bare)) = (
+        if let (Some(none), Some(none_less_wait), Some(none_rest), Some(none_bare)) = (
             at_none("own_mount_ms_median"),
             at_none("own_mount_less_wait_ms_median"),
+            at_none("own_mount_less_wait_and_bare_mkdirs_ms_median"),
             at_none("bare_durable_append_ms_median"),
         ) {
             table.push((
@@ -242,9 +265,10 @@ pub fn growth(
                     "target: the agent's own part of a mount with {n} on record <= 1.5x of none"
                 ),
                 format!(
-                    "{:.2}x ({own_mount:.2} ms vs {none:.2} ms); without the wait for durability {:.2}x ({own_less_wait:.2} vs {none_rest:.2} ms); the bare durable write {:.2}x ({bare_write:.2} vs {none_bare:.2} ms)",
+                    "{:.2}x ({own_mount:.2} ms vs {none:.2} ms); without the wait for durability {:.2}x ({own_less_wait:.2} vs {none_less_wait:.2} ms), and the bare mkdirs' time {:.2}x ({own_rest:.2} vs {none_rest:.2} ms); the bare durable write {:.2}x ({bare_write:.2} vs {none_bare:.2} ms)",
                     own_mount / none,
-                    own_less_wait / none_rest,
+                    own_less_wait / none_less_wait,
+                    own_rest / none_rest,
                     bare_write / none_bare
                 ),
             ));

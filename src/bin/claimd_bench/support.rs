@@ -283,20 +283,24 @@ pub fn rss_and_peak(pid: u32) -> (u64, u64) {
 
 /// Waits (up to `limit`) until no thread of `pid` serves an API request
 /// (named `api-…`; an answer's thread gives the heap it freed back when
-/// the agent goes idle) and, with `pooled_too`, until no pooled thread
-/// waits for its next job either (`pool-idle`: they end
-/// `claimd::threads::POOL_IDLE_KEEP` after their last job, and their
-/// stacks with them). False when one still ran at the limit.
+/// the agent goes idle) and, with `pooled_too`, until no release runs
+/// (`release-…`) and no pooled thread waits for its next job either
+/// (`pool-idle`: they end `claimd::threads::POOL_IDLE_KEEP` after their
+/// last job, and their stacks with them). False when one still ran at the
+/// limit.
 pub fn wait_agent_idle(pid: u32, pooled_too: bool, limit: Duration) -> bool {
     let deadline = std::time::Instant::now() + limit;
+    let busy_name = |comm: &str| {
+        comm.starts_with("api-")
+            || (pooled_too
+                && (comm.starts_with("release-") || comm == claimd::threads::POOL_IDLE_NAME))
+    };
     loop {
         let busy = std::fs::read_dir(format!("/proc/{pid}/task"))
             .map(|tasks| {
                 tasks.flatten().any(|t| {
-                    std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| {
-                        c.starts_with("api-")
-                            || (pooled_too && c.trim_end() == claimd::threads::POOL_IDLE_NAME)
-                    })
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| busy_name(c.trim_end()))
                 })
             })
             .unwrap_or(false);
