@@ -36,10 +36,16 @@ thread_local! {
 /// Calls `f` with the calling thread's name for logs: the job it runs if it
 /// is a pooled thread, else the name it was started with.
 pub fn with_current_name<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
-    JOB_NAME.with(|job| match job.borrow().as_deref() {
-        Some(name) => f(Some(name)),
+    // `try_borrow`/`try_with`: a log line written while the thread's
+    // locals are torn down, or from inside `f`, falls back to std's name.
+    let job = JOB_NAME
+        .try_with(|job| job.try_borrow().ok().and_then(|j| j.clone()))
+        .ok()
+        .flatten();
+    match job {
+        Some(name) => f(Some(&name)),
         None => f(std::thread::current().name()),
-    })
+    }
 }
 
 /// Names the calling thread for logs (`with_current_name`), for the
