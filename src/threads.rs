@@ -36,8 +36,8 @@ thread_local! {
 /// Calls `f` with the calling thread's name for logs: the job it runs if it
 /// is a pooled thread, else the name it was started with.
 pub fn with_current_name<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
-    // `try_borrow`/`try_with`: a log line written while the thread's
-    // locals are torn down, or from inside `f`, falls back to std's name.
+    // A log line written while the thread's locals are torn down falls
+    // back to std's name; the name is copied out before `f` runs.
     let job = JOB_NAME
         .try_with(|job| job.try_borrow().ok().and_then(|j| j.clone()))
         .ok()
