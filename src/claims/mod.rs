@@ -289,12 +289,13 @@ pub trait ClaimStore: Send + Sync {
     /// or why the store cannot tell now. One volume's are read alone (a
     /// cluster store reads only that volume's keys).
     fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError>;
-    /// The claims this node holds, when the store keeps them on this node
-    /// (one node); None when they live in a store shared by the cluster
+    /// The states of the claims this node holds, when the store keeps them
+    /// on this node (one node), without copying the claims (a metrics
+    /// scrape asks); None when they live in a store shared by the cluster
     /// (count them from this node's records instead: no round trip). Not a
     /// `list_claims` filter: it answers without asking the store, and its
     /// None means "not kept here", not "none".
-    fn local_claims(&self) -> Option<Vec<Claim>> {
+    fn local_claim_states(&self) -> Option<Vec<ClaimState>> {
         None
     }
     /// The cluster's shared volume registrations, when the store has them.

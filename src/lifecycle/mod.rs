@@ -140,8 +140,8 @@ impl Lifecycle {
     /// cluster, on every node). A claim this run marked node-detached
     /// counts as such.
     pub fn claim_states_here(&self) -> Vec<ClaimState> {
-        if let Some(claims) = self.core.claims.local_claims() {
-            return claims.iter().map(|c| c.state).collect();
+        if let Some(states) = self.core.claims.local_claim_states() {
+            return states;
         }
         let detached = self.core.progress.node_detached();
         self.core.store.read(|s| {

@@ -4,10 +4,13 @@
 //! records. A map behind one `Arc` made that clone cheap, but the first
 //! change copied the whole map: 10,000 keys and pointers for one record.
 //! Here the records sit in chunks of at most `CHUNK_MAX`, each behind its
-//! own `Arc`, under an outer map from each chunk's lower bound to the chunk:
-//! a change copies the outer map (one entry per chunk) and the one chunk it
-//! touches. Two maps that share chunks are compared, and diffed into a
-//! journal line, chunk by chunk: shared chunks are skipped unread.
+//! own `Arc`, in key order in an outer list of pointers: a change copies
+//! that list (one pointer per chunk, no keys) and the one chunk it touches.
+//! A key is found by a binary search over the chunks' first keys, kept in
+//! a list of their own (shared too, and copied only when a chunk's first
+//! key changes: a split, or the first key added or removed). Two maps
+//! that share chunks are compared, and diffed into a journal line, chunk by
+//! chunk: shared chunks (the same pointer) are skipped unread.
 
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
@@ -24,11 +27,14 @@ const CHUNK_MAX: usize = 64;
 const CHUNK_FILL: usize = 48;
 
 type Chunk<K, V> = BTreeMap<K, Arc<V>>;
+type Chunks<K, V> = Vec<Arc<Chunk<K, V>>>;
 
 /// See the module documentation. Invariants: no chunk is empty; every key
-/// of a chunk is at least its bound and below the next chunk's bound.
+/// of a chunk is below every key of the next chunk; `firsts[i]` is the
+/// first key of `chunks[i]`.
 pub struct SharedMap<K: Ord, V> {
-    chunks: Arc<BTreeMap<K, Arc<Chunk<K, V>>>>,
+    chunks: Arc<Chunks<K, V>>,
+    firsts: Arc<Vec<K>>,
     len: usize,
 }
 
@@ -36,6 +42,7 @@ impl<K: Ord, V> Clone for SharedMap<K, V> {
     fn clone(&self) -> Self {
         SharedMap {
             chunks: self.chunks.clone(),
+            firsts: self.firsts.clone(),
             len: self.len,
         }
     }
@@ -44,10 +51,21 @@ impl<K: Ord, V> Clone for SharedMap<K, V> {
 impl<K: Ord, V> Default for SharedMap<K, V> {
     fn default() -> Self {
         SharedMap {
-            chunks: Arc::new(BTreeMap::new()),
+            chunks: Arc::new(Vec::new()),
+            firsts: Arc::new(Vec::new()),
             len: 0,
         }
     }
+}
+
+/// The index of the chunk that would hold `k`: the last whose first key is
+/// at most `k`, or None when `k` is below every chunk (or there is none).
+fn slot<K, Q>(firsts: &[K], k: &Q) -> Option<usize>
+where
+    K: Borrow<Q>,
+    Q: Ord + ?Sized,
+{
+    firsts.partition_point(|f| f.borrow() <= k).checked_sub(1)
 }
 
 impl<K: Ord, V> SharedMap<K, V> {
@@ -59,15 +77,14 @@ impl<K: Ord, V> SharedMap<K, V> {
         self.len == 0
     }
 
-    /// The bound and chunk that holds `k` if anything does.
-    fn chunk_of<Q>(&self, k: &Q) -> Option<(&K, &Arc<Chunk<K, V>>)>
+    /// The index of the chunk that holds `k`, when `k` is in the map.
+    fn index_of<Q>(&self, k: &Q) -> Option<usize>
     where
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        self.chunks
-            .range::<Q, _>((Bound::Unbounded, Bound::Included(k)))
-            .next_back()
+        let i = slot(&self.firsts, k)?;
+        self.chunks[i].contains_key(k).then_some(i)
     }
 
     pub fn get<Q>(&self, k: &Q) -> Option<&Arc<V>>
@@ -75,7 +92,7 @@ impl<K: Ord, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        self.chunk_of(k)?.1.get(k)
+        self.chunks[slot(&self.firsts, k)?].get(k)
     }
 
     pub fn contains_key<Q>(&self, k: &Q) -> bool
@@ -88,7 +105,7 @@ impl<K: Ord, V> SharedMap<K, V> {
 
     /// Every entry, in key order.
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &Arc<V>)> + '_ {
-        self.chunks.values().flat_map(|c| c.iter())
+        self.chunks.iter().flat_map(|c| c.iter())
     }
 
     pub fn keys(&self) -> impl DoubleEndedIterator<Item = &K> + '_ {
@@ -101,13 +118,10 @@ impl<K: Ord, V> SharedMap<K, V> {
 
     /// The entries from `from` on, in key order.
     pub fn range_from(&self, from: K) -> impl Iterator<Item = (&K, &Arc<V>)> + '_ {
-        let outer = match self.chunk_of(&from) {
-            Some((b, _)) => self
-                .chunks
-                .range::<K, _>((Bound::Included(b), Bound::Unbounded)),
-            None => self.chunks.range::<K, _>(..),
-        };
-        outer.flat_map(move |(_, c)| c.range::<K, _>((Bound::Included(&from), Bound::Unbounded)))
+        let start = slot(&self.firsts, &from).unwrap_or(0);
+        self.chunks[start..]
+            .iter()
+            .flat_map(move |c| c.range::<K, _>((Bound::Included(&from), Bound::Unbounded)))
     }
 
     /// Whether both are the same map (then equal without looking).
@@ -118,9 +132,9 @@ impl<K: Ord, V> SharedMap<K, V> {
 
 /// Which map a `SharedMap` is, for something derived from it that must
 /// know whether it still describes it. Holding one keeps the map's outer
-/// node alive and shared, so any change to the map (every change goes
-/// through a copy-on-write of that node) makes a map this is not.
-pub struct MapId<K: Ord, V>(Arc<BTreeMap<K, Arc<Chunk<K, V>>>>);
+/// list alive and shared, so any change to the map (every change goes
+/// through a copy-on-write of that list) makes a map this is not.
+pub struct MapId<K: Ord, V>(Arc<Chunks<K, V>>);
 
 impl<K: Ord, V> Clone for MapId<K, V> {
     fn clone(&self) -> Self {
@@ -145,44 +159,46 @@ impl<K: Ord, V> SharedMap<K, V> {
 impl<K: Ord + Clone, V> SharedMap<K, V> {
     pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
         let len = m.len();
-        let mut chunks = BTreeMap::new();
+        let mut chunks = Vec::with_capacity(len.div_ceil(CHUNK_FILL));
+        let mut firsts = Vec::with_capacity(len.div_ceil(CHUNK_FILL));
         let mut chunk = BTreeMap::new();
         for (k, v) in m {
+            if chunk.is_empty() {
+                firsts.push(k.clone());
+            }
             chunk.insert(k, v);
             if chunk.len() == CHUNK_FILL {
-                let full = std::mem::take(&mut chunk);
-                let bound = full.keys().next().cloned().expect("a full chunk");
-                chunks.insert(bound, Arc::new(full));
+                chunks.push(Arc::new(std::mem::take(&mut chunk)));
             }
         }
-        if let Some(bound) = chunk.keys().next().cloned() {
-            chunks.insert(bound, Arc::new(chunk));
+        if !chunk.is_empty() {
+            chunks.push(Arc::new(chunk));
         }
         SharedMap {
             chunks: Arc::new(chunks),
+            firsts: Arc::new(firsts),
             len,
         }
     }
 
     pub fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
         let chunks = Arc::make_mut(&mut self.chunks);
-        let bound = match chunks
-            .range::<K, _>((Bound::Unbounded, Bound::Included(&k)))
-            .next_back()
-        {
-            Some((b, _)) => b.clone(),
+        if chunks.is_empty() {
+            Arc::make_mut(&mut self.firsts).push(k.clone());
+            chunks.push(Arc::new(BTreeMap::from([(k, v)])));
+            self.len = 1;
+            return None;
+        }
+        let i = match slot(&self.firsts, &k) {
+            Some(i) => i,
             None => {
-                // Below every bound (or the first key): the first chunk
-                // takes it under a lower bound.
-                let c = match chunks.pop_first() {
-                    Some((_, c)) => c,
-                    None => Arc::new(BTreeMap::new()),
-                };
-                chunks.insert(k.clone(), c);
-                k.clone()
+                // Below every chunk's first key: the first chunk takes it,
+                // and it is that chunk's first key now.
+                Arc::make_mut(&mut self.firsts)[0] = k.clone();
+                0
             }
         };
-        let chunk = Arc::make_mut(chunks.get_mut(&bound).expect("the chunk just found"));
+        let chunk = Arc::make_mut(&mut chunks[i]);
         let old = chunk.insert(k, v);
         if old.is_none() {
             self.len += 1;
@@ -194,19 +210,10 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
                 .cloned()
                 .expect("a chunk past its size");
             let upper = chunk.split_off(&mid);
-            chunks.insert(mid, Arc::new(upper));
+            chunks.insert(i + 1, Arc::new(upper));
+            Arc::make_mut(&mut self.firsts).insert(i + 1, mid);
         }
         old
-    }
-
-    /// The bound of the chunk holding `k`, when `k` is in the map.
-    fn bound_of<Q>(&self, k: &Q) -> Option<K>
-    where
-        K: Borrow<Q>,
-        Q: Ord + ?Sized,
-    {
-        let (b, c) = self.chunk_of(k)?;
-        c.contains_key(k).then(|| b.clone())
     }
 
     pub fn remove<Q>(&mut self, k: &Q) -> Option<Arc<V>>
@@ -214,12 +221,19 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        let bound = self.bound_of(k)?;
+        let i = self.index_of(k)?;
         let chunks = Arc::make_mut(&mut self.chunks);
-        let chunk = Arc::make_mut(chunks.get_mut::<K>(&bound)?);
+        let chunk = Arc::make_mut(&mut chunks[i]);
         let old = chunk.remove(k);
-        if chunk.is_empty() {
-            chunks.remove::<K>(&bound);
+        match chunk.keys().next() {
+            None => {
+                chunks.remove(i);
+                Arc::make_mut(&mut self.firsts).remove(i);
+            }
+            Some(f) if f != &self.firsts[i] => {
+                Arc::make_mut(&mut self.firsts)[i] = f.clone();
+            }
+            Some(_) => {}
         }
         if old.is_some() {
             self.len -= 1;
@@ -232,15 +246,15 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        let bound = self.bound_of(k)?;
+        let i = self.index_of(k)?;
         let chunks = Arc::make_mut(&mut self.chunks);
-        Arc::make_mut(chunks.get_mut::<K>(&bound)?).get_mut(k)
+        Arc::make_mut(&mut chunks[i]).get_mut(k)
     }
 
     /// Every record for changing (copies every chunk that is shared).
     pub fn values_mut(&mut self) -> impl Iterator<Item = &mut Arc<V>> + '_ {
         Arc::make_mut(&mut self.chunks)
-            .values_mut()
+            .iter_mut()
             .flat_map(|c| Arc::make_mut(c).values_mut())
     }
 
@@ -254,15 +268,17 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
 impl<K: Ord, V: PartialEq> SharedMap<K, V> {
     /// Every key whose value differs between `old` and `new`, in key order:
     /// `Some(new value)` when added or changed, None when removed. Chunks
-    /// both maps share (same bound, same chunk) are skipped unread; shared
+    /// both maps share (the same pointer) are skipped unread; shared
     /// records are skipped without comparing them.
     pub fn diff(old: &Self, new: &Self, mut changed: impl FnMut(&K, Option<&Arc<V>>)) {
         if Self::same(old, new) {
             return;
         }
-        // A key in a chunk both share is in that chunk on both sides: only
-        // the others can differ, and a key in one of them on one side is in
-        // one of them on the other side, if anywhere.
+        // A key in a chunk both share is in that chunk on both sides (a
+        // shared chunk holds the same keys in both, and a key is in one
+        // chunk of a map): only the other chunks can differ, and a key in
+        // one of them on one side is in one of them on the other side, if
+        // anywhere.
         let (o, n) = (dirty_entries(old, new), dirty_entries(new, old));
         let mut o = o.into_iter().peekable();
         let mut n = n.into_iter().peekable();
@@ -299,15 +315,18 @@ impl<K: Ord, V: PartialEq> SharedMap<K, V> {
     }
 }
 
-/// The entries of `a` in chunks that `b` does not share (same bound, same
-/// chunk), in key order.
+/// The entries of `a` in chunks that `b` does not share (the same
+/// pointer), in key order. Both maps are borrowed for the whole call, so a
+/// pointer seen in both is one chunk, not a freed one's address reused.
 fn dirty_entries<'a, K: Ord, V>(
     a: &'a SharedMap<K, V>,
     b: &SharedMap<K, V>,
 ) -> Vec<(&'a K, &'a Arc<V>)> {
+    let mut theirs: Vec<*const Chunk<K, V>> = b.chunks.iter().map(Arc::as_ptr).collect();
+    theirs.sort_unstable();
     let mut d = Vec::new();
-    for (bound, c) in a.chunks.iter() {
-        if !b.chunks.get(bound).is_some_and(|o| Arc::ptr_eq(o, c)) {
+    for c in a.chunks.iter() {
+        if theirs.binary_search(&Arc::as_ptr(c)).is_err() {
             d.extend(c.iter());
         }
     }
@@ -379,15 +398,21 @@ mod tests {
         let exp: Vec<(u32, u32)> = want.iter().map(|(k, v)| (*k, *v)).collect();
         assert_eq!(got, exp);
         assert_eq!(m.len(), want.len());
-        for (b, c) in m.chunks.iter() {
-            assert!(!c.is_empty(), "empty chunk at {b}");
+        for c in m.chunks.iter() {
+            assert!(!c.is_empty(), "empty chunk");
             assert!(c.len() <= CHUNK_MAX);
-            assert!(c.keys().all(|k| k >= b), "chunk {b} holds a smaller key");
         }
-        let bounds: Vec<&u32> = m.chunks.keys().collect();
-        for w in bounds.windows(2) {
-            assert!(m.chunks[w[0]].keys().all(|k| k < w[1]));
+        for w in m.chunks.windows(2) {
+            let last = w[0].keys().next_back().expect("not empty");
+            let next = w[1].keys().next().expect("not empty");
+            assert!(last < next, "chunks overlap at {last}");
         }
+        let firsts: Vec<u32> = m
+            .chunks
+            .iter()
+            .map(|c| *c.keys().next().expect("a key"))
+            .collect();
+        assert_eq!(*m.firsts, firsts, "the first keys kept are the chunks'");
         for (k, v) in want {
             assert_eq!(m.get(k).map(|v| **v), Some(*v));
         }
@@ -435,7 +460,7 @@ mod tests {
         let shared = old
             .chunks
             .iter()
-            .filter(|(b, c)| new.chunks.get(*b).is_some_and(|n| Arc::ptr_eq(n, c)))
+            .filter(|c| new.chunks.iter().any(|n| Arc::ptr_eq(n, c)))
             .count();
         assert!(
             shared + 3 >= old.chunks.len(),
@@ -456,11 +481,55 @@ mod tests {
         let mut none = Vec::new();
         SharedMap::diff(&old, &again, |k, _| none.push(*k));
         assert!(none.is_empty(), "{none:?}");
-        // Keys below every bound move the first chunk's bound.
+        // A key below every chunk's first key goes to the first chunk.
         let mut low = map(100..200);
         low.insert(1, Arc::new(10));
         let mut want: BTreeMap<u32, u32> = (100..200).map(|k| (k, k * 10)).collect();
         want.insert(1, 10);
         check(&low, &want);
+    }
+
+    /// Diffs between versions that split, empty and drop chunks find
+    /// exactly what a plain map comparison finds.
+    #[test]
+    fn diffs_across_splits_and_dropped_chunks_are_exact() {
+        let mut x: u32 = 99;
+        let mut next = move || {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            x >> 8
+        };
+        let mut cur = map(0..2000);
+        let mut plain: BTreeMap<u32, u32> = (0..2000).map(|k| (k, k * 10)).collect();
+        for round in 0..200 {
+            let (before, before_plain) = (cur.clone(), plain.clone());
+            for _ in 0..(next() % 90) {
+                let k = if round % 4 == 0 {
+                    next() % 2200
+                } else {
+                    500 + next() % 80
+                };
+                if next() % 2 == 0 {
+                    cur.remove(&k);
+                    plain.remove(&k);
+                } else {
+                    let v = next() % 3;
+                    cur.insert(k, Arc::new(v));
+                    plain.insert(k, v);
+                }
+            }
+            check(&cur, &plain);
+            let mut got = Vec::new();
+            SharedMap::diff(&before, &cur, |k, v| got.push((*k, v.map(|v| **v))));
+            let mut want = Vec::new();
+            for k in before_plain.keys().chain(plain.keys()) {
+                if before_plain.get(k) != plain.get(k) && want.last().map(|(l, _)| l) != Some(k) {
+                    want.push((*k, plain.get(k).copied()));
+                }
+            }
+            want.sort_unstable();
+            want.dedup();
+            assert_eq!(got, want, "round {round}");
+            assert_eq!(before == cur, want.is_empty());
+        }
     }
 }
