@@ -532,4 +532,57 @@ mod tests {
             assert_eq!(before == cur, want.is_empty());
         }
     }
+
+    /// Two versions that both changed since a common one (a split on one
+    /// side, a dropped chunk on the other) diff exactly, a map built whole
+    /// equals the copied one, and every change makes a map its old
+    /// identity is not (a change that changes nothing keeps it).
+    #[test]
+    fn siblings_diff_exactly_and_every_change_gets_a_new_id() {
+        let base = map(0..1000);
+        let (mut a, mut b) = (base.clone(), base.clone());
+        for k in 0..70 {
+            a.insert(500 + k * 2 + 1, Arc::new(1));
+        }
+        for k in 0..48 {
+            b.remove(&k);
+        }
+        b.insert(5000, Arc::new(2));
+        let plain = |m: &SharedMap<u32, u32>| -> BTreeMap<u32, u32> {
+            m.iter().map(|(k, v)| (*k, **v)).collect()
+        };
+        let (pa, pb) = (plain(&a), plain(&b));
+        check(&a, &pa);
+        check(&b, &pb);
+        let keys: std::collections::BTreeSet<u32> = pa.keys().chain(pb.keys()).copied().collect();
+        let want: Vec<(u32, Option<u32>)> = keys
+            .into_iter()
+            .filter(|k| pa.get(k) != pb.get(k))
+            .map(|k| (k, pb.get(&k).copied()))
+            .collect();
+        let mut got = Vec::new();
+        SharedMap::diff(&a, &b, |k, v| got.push((*k, v.map(|v| **v))));
+        assert_eq!(got, want);
+        let rebuilt = SharedMap::from_map(b.iter().map(|(k, v)| (*k, v.clone())).collect());
+        assert_eq!(rebuilt, b);
+        let id = a.id();
+        assert!(a.remove(&999_999).is_none());
+        assert!(id.is(&a), "removing a missing key changes nothing");
+        for op in 0..4 {
+            let id = a.id();
+            match op {
+                0 => {
+                    a.insert(0, Arc::new(9));
+                }
+                1 => {
+                    a.remove(&0);
+                }
+                2 => {
+                    *a.get_mut(&1).expect("key 1") = Arc::new(7);
+                }
+                _ => a.clear(),
+            }
+            assert!(!id.is(&a), "op {op} kept the identity");
+        }
+    }
 }

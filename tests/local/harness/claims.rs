@@ -342,6 +342,15 @@ impl ClaimStore for TestClaims {
         })
     }
 
+    /// As the agent's embedded store: its own claims' states, so that the
+    /// metrics' claim counts come from the store here too.
+    fn local_claim_states(&self) -> Option<Vec<ClaimState>> {
+        match self.kind {
+            StoreKind::Embedded => self.embedded.local_claim_states(),
+            StoreKind::Remote => None,
+        }
+    }
+
     fn list_claims(&self, filter: ClaimFilter<'_>) -> Result<Listing, ClaimError> {
         match self.kind {
             StoreKind::Embedded => self.embedded.list_claims(filter),
