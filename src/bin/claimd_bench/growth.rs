@@ -152,8 +152,9 @@ pub fn growth(
     let (mut dirs, mut own_rest) = (Vec::new(), Vec::new());
     // The agent's CPU (user + system, its own getrusage) per mount, less
     // what one metrics read around it costs (two reads in a row, nothing
-    // between): unlike the times above, the file system's and the
-    // plugin's state barely move it.
+    // between). Its system time includes the mount's mkdirs, so ext4's
+    // state moves it too; with many on record a metrics read costs
+    // milliseconds of CPU, and the subtraction's error with it.
     let mut cpu = Vec::new();
     let probe = dir.join("fdatasync-probe");
     for run in 0..OWN_RUNS {
