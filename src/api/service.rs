@@ -346,6 +346,12 @@ impl grpc::Claimd for Service {
             r.state_fsyncs = ws.fsyncs;
             r.state_snapshots = ws.snapshots;
             r.state_undurable_changes = store.undurable_changes();
+            r.cpu_seconds = crate::metrics::process::cpu_seconds().unwrap_or(0.0);
+            let total = |h: &crate::metrics::HistogramVec| -> f64 {
+                h.snapshot().iter().map(|(_, d)| d.sum).sum()
+            };
+            r.csi_seconds = total(&crate::metrics::CSI_OPERATIONS);
+            r.commit_wait_seconds = total(&crate::metrics::STATE_COMMIT_WAIT_SECONDS);
             store.read(|st| {
                 r.allocs = st.allocs.len() as u64;
                 r.volumes = st.volumes.len() as u64;

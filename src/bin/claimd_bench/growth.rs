@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use claimd::api::{wire as w, ApiClient};
 use serde_json::{json, Value};
 
-use super::cost::sample;
 use super::*;
 
 /// A loopback address no one listens on now, for the agent's
@@ -150,39 +149,32 @@ pub fn growth(
     let (mut own_mount, mut own_release) = (Vec::new(), Vec::new());
     let (mut waits, mut bare_writes, mut own_less_wait) = (Vec::new(), Vec::new(), Vec::new());
     let (mut dirs, mut own_rest) = (Vec::new(), Vec::new());
-    // The agent's CPU (user + system, its own getrusage) per mount, less
-    // what one metrics read around it costs (two reads in a row, nothing
-    // between). Its system time includes the mount's mkdirs, so ext4's
-    // state moves it too; with many on record a metrics read costs
-    // milliseconds of CPU, and the subtraction's error with it.
+    // The agent's CPU (user + system, its own getrusage, from GetStats)
+    // per mount. Its system time includes the mount's mkdirs, so ext4's
+    // state moves it too.
     let mut cpu = Vec::new();
     let probe = dir.join("fdatasync-probe");
     for run in 0..OWN_RUNS {
         bare_writes.push(bare_durable_append(&probe, 1600));
         let mkdirs = bare_mkdirs(dir, run);
         dirs.push(mkdirs);
-        let read = metrics_text(c);
-        let a = metrics_text(c);
+        let a = stats(c);
         let t = Instant::now();
         mount(c, "growth-one", &["shared".to_string()]);
         let mount_ms = t.elapsed().as_secs_f64() * 1000.0;
-        let b = metrics_text(c);
-        let cpu_of = |x: &str| sample(x, "process_cpu_seconds_total");
-        cpu.push(((cpu_of(&b) - cpu_of(&a)) - (cpu_of(&a) - cpu_of(&read))) * 1000.0);
+        let b = stats(c);
+        cpu.push((b.cpu_seconds - a.cpu_seconds) * 1000.0);
         let t = Instant::now();
         release(c, "growth-one", Duration::from_secs(60));
         let release_ms = t.elapsed().as_secs_f64() * 1000.0;
-        let e = metrics_text(c);
-        let own = mount_ms - (csi_seconds(&b) - csi_seconds(&a)) * 1000.0;
-        let wait = (sample(&b, "claimd_state_commit_wait_seconds_sum")
-            - sample(&a, "claimd_state_commit_wait_seconds_sum"))
-            * 1000.0;
+        let e = stats(c);
+        let own = mount_ms - (b.csi_seconds - a.csi_seconds) * 1000.0;
+        let wait = (b.commit_wait_seconds - a.commit_wait_seconds) * 1000.0;
         own_mount.push(own);
         waits.push(wait);
         own_less_wait.push(own - wait);
         own_rest.push(own - wait - mkdirs);
-        own_release.push(release_ms - (csi_seconds(&e) - csi_seconds(&b)) * 1000.0);
-        stats(c);
+        own_release.push(release_ms - (e.csi_seconds - b.csi_seconds) * 1000.0);
     }
     let mid = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -265,40 +257,10 @@ pub fn growth(
     ));
     table.push((
         format!(
-            "with {n} on record: the agent's CPU per mount (user + system, less a metrics read's), median of {OWN_RUNS}"
+            "with {n} on record: the agent's CPU per mount (user + system), median of {OWN_RUNS}"
         ),
         format!("{cpu:.2} ms"),
     ));
-    if n > 0 {
-        let at_none = |key: &str| results.get("growth_0").and_then(|g| g[key].as_f64());
-        if let (
-            Some(none),
-            Some(none_less_wait),
-            Some(none_rest),
-            Some(none_bare),
-            Some(none_cpu),
-        ) = (
-            at_none("own_mount_ms_median"),
-            at_none("own_mount_less_wait_ms_median"),
-            at_none("own_mount_less_wait_and_bare_mkdirs_ms_median"),
-            at_none("bare_durable_append_ms_median"),
-            at_none("agent_cpu_per_mount_ms_median"),
-        ) {
-            table.push((
-                format!(
-                    "target: the agent's own part of a mount with {n} on record <= 1.5x of none"
-                ),
-                format!(
-                    "{:.2}x ({own_mount:.2} ms vs {none:.2} ms); without the wait for durability {:.2}x ({own_less_wait:.2} vs {none_less_wait:.2} ms), and the bare mkdirs' time {:.2}x ({own_rest:.2} vs {none_rest:.2} ms); the bare durable write {:.2}x ({bare_write:.2} vs {none_bare:.2} ms); the agent's CPU per mount {:.2}x ({cpu:.2} vs {none_cpu:.2} ms)",
-                    own_mount / none,
-                    own_less_wait / none_less_wait,
-                    own_rest / none_rest,
-                    bare_write / none_bare,
-                    cpu / none_cpu
-                ),
-            ));
-        }
-    }
     table.push((
         format!("with {n} on record: alloc status (ListAllocs) / GET /metrics, median of 5"),
         format!(

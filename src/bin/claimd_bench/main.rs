@@ -40,6 +40,8 @@ struct Args {
     takeover_reps: usize,
     /// Agent counts of the scale part.
     scale_n: Vec<usize>,
+    /// Alternating rounds of the same-disk comparison (restart part).
+    same_disk_rounds: usize,
     only: Vec<String>,
 }
 
@@ -75,6 +77,7 @@ fn parse_args() -> Result<Args, String> {
         attach_n: 40,
         takeover_reps: 4,
         scale_n: vec![1, 10, 25, 50],
+        same_disk_rounds: 15,
         only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -112,6 +115,11 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|e| format!("--fanout-delay-ms: {e}"))?
             }
             "--attach-n" => a.attach_n = val()?.parse().map_err(|e| format!("--attach-n: {e}"))?,
+            "--same-disk-rounds" => {
+                a.same_disk_rounds = val()?
+                    .parse()
+                    .map_err(|e| format!("--same-disk-rounds: {e}"))?
+            }
             "--takeover-reps" => {
                 a.takeover_reps = val()?
                     .parse()
@@ -139,7 +147,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--scale-n 1,10,25,50] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--same-disk-rounds 15] [--scale-n 1,10,25,50] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -153,8 +161,8 @@ fn parse_args() -> Result<Args, String> {
     if a.fanout < 2 {
         return Err("--fanout must be at least 2 (one hung volume and the others)".into());
     }
-    if a.attach_n < 1 || a.takeover_reps < 1 {
-        return Err("--attach-n and --takeover-reps must be at least 1".into());
+    if a.attach_n < 1 || a.takeover_reps < 1 || a.same_disk_rounds < 1 {
+        return Err("--attach-n, --takeover-reps and --same-disk-rounds must be at least 1".into());
     }
     if a.cluster_n < 2 || a.cluster_per_node < 1 || a.cluster_allocs < 1 {
         return Err(
@@ -176,6 +184,7 @@ mod fanout;
 mod growth;
 mod scale;
 mod support;
+mod twin;
 
 use bare::*;
 use cluster::*;
@@ -564,6 +573,16 @@ fn main() {
             &dir,
             &c,
             metrics_addr,
+            &mut results,
+            &mut table,
+        );
+        twin::same_disk(
+            args.restart_n,
+            &args,
+            &mut s,
+            &dir,
+            &c,
+            &env,
             &mut results,
             &mut table,
         );
