@@ -318,16 +318,36 @@ impl<K: Ord, V: PartialEq> SharedMap<K, V> {
 /// The entries of `a` in chunks that `b` does not share (the same
 /// pointer), in key order. Both maps are borrowed for the whole call, so a
 /// pointer seen in both is one chunk, not a freed one's address reused.
+///
+/// One walk over both chunk lists: a chunk shared by both holds the same
+/// keys on both sides, so it is the chunk of `b` with its first key, and
+/// both lists are in key order. Where the pointers at the walk's two
+/// positions differ, the first keys say which side is ahead.
 fn dirty_entries<'a, K: Ord, V>(
     a: &'a SharedMap<K, V>,
     b: &SharedMap<K, V>,
 ) -> Vec<(&'a K, &'a Arc<V>)> {
-    let mut theirs: Vec<*const Chunk<K, V>> = b.chunks.iter().map(Arc::as_ptr).collect();
-    theirs.sort_unstable();
     let mut d = Vec::new();
-    for c in a.chunks.iter() {
-        if theirs.binary_search(&Arc::as_ptr(c)).is_err() {
-            d.extend(c.iter());
+    let (mut i, mut j) = (0, 0);
+    while i < a.chunks.len() {
+        if j < b.chunks.len() && Arc::ptr_eq(&a.chunks[i], &b.chunks[j]) {
+            i += 1;
+            j += 1;
+            continue;
+        }
+        match b.firsts.get(j).map(|bf| a.firsts[i].cmp(bf)) {
+            // b's chunk starts below: no chunk of a can be it.
+            Some(std::cmp::Ordering::Greater) => j += 1,
+            // The same first key in another chunk (changed), or b's
+            // chunk starts above or b has none left: a's chunk is not in
+            // b.
+            _ => {
+                d.extend(a.chunks[i].iter());
+                if b.firsts.get(j) == Some(&a.firsts[i]) {
+                    j += 1;
+                }
+                i += 1;
+            }
         }
     }
     d
@@ -583,6 +603,74 @@ mod tests {
                 _ => a.clear(),
             }
             assert!(!id.is(&a), "op {op} kept the identity");
+        }
+    }
+
+    /// Any two versions from a pool that grew by random changes from one
+    /// another (ancestors, siblings, cousins; splits, dropped chunks, new
+    /// first keys) diff exactly against plain maps, both ways.
+    #[test]
+    fn any_two_related_versions_diff_exactly() {
+        let mut x: u32 = 7;
+        let mut next = move || {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            x >> 8
+        };
+        let start = map(0..600);
+        let plain_of = |m: &SharedMap<u32, u32>| -> BTreeMap<u32, u32> {
+            m.iter().map(|(k, v)| (*k, **v)).collect()
+        };
+        let mut pool = vec![start.clone()];
+        for round in 0..400 {
+            let mut m = pool[next() as usize % pool.len()].clone();
+            let mut plain = plain_of(&m);
+            let span = [700, 60, 5][round % 3];
+            let base = next() % 700;
+            for _ in 0..(1 + next() % 40) {
+                let k = base + next() % span;
+                match next() % 3 {
+                    0 => {
+                        m.remove(&k);
+                        plain.remove(&k);
+                    }
+                    1 => {
+                        let v = next() % 4;
+                        m.insert(k, Arc::new(v));
+                        plain.insert(k, v);
+                    }
+                    _ => {
+                        if let Some(v) = m.get_mut(&k) {
+                            let n = next() % 4;
+                            *v = Arc::new(n);
+                            plain.insert(k, n);
+                        }
+                    }
+                }
+            }
+            check(&m, &plain);
+            if pool.len() < 12 {
+                pool.push(m);
+            } else {
+                let i = next() as usize % pool.len();
+                pool[i] = m;
+            }
+            let (a, b) = (
+                &pool[next() as usize % pool.len()],
+                &pool[next() as usize % pool.len()],
+            );
+            for (from, to) in [(a, b), (b, a)] {
+                let (pf, pt) = (plain_of(from), plain_of(to));
+                let keys: std::collections::BTreeSet<u32> =
+                    pf.keys().chain(pt.keys()).copied().collect();
+                let want: Vec<(u32, Option<u32>)> = keys
+                    .into_iter()
+                    .filter(|k| pf.get(k) != pt.get(k))
+                    .map(|k| (k, pt.get(&k).copied()))
+                    .collect();
+                let mut got = Vec::new();
+                SharedMap::diff(from, to, |k, v| got.push((*k, v.map(|v| **v))));
+                assert_eq!(got, want, "round {round}");
+            }
         }
     }
 }
