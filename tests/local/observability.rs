@@ -213,6 +213,41 @@ fn metrics_pass_promtool_and_count_what_the_test_did() {
     assert!(sample(&text, "process_threads").expect("threads") >= 2.0);
     assert!(sample(&text, "process_open_fds").expect("fds") >= 3.0);
     assert!(sample(&text, "process_start_time_seconds").expect("start") > 1.6e9);
+    // GetStats carries the same sums as the metrics (what a benchmark
+    // reads without rendering every metric): read around a metrics
+    // render, each lies between the two (a probe may call the plugin in
+    // between), and the CPU time only grows.
+    let api = claimd::api::ApiClient::new(grpc_env(), &w.agent.config.api_socket);
+    let stats = || {
+        api.raw()
+            .get_stats(
+                &claimd::api::wire::GetStatsRequest::new(),
+                grpcio::CallOption::default().timeout(Duration::from_secs(30)),
+            )
+            .expect("GetStats")
+    };
+    let (before, text, after) = (stats(), w.metrics(), stats());
+    let csi: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("claimd_csi_operations_seconds_sum{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let wait = sample(&text, "claimd_state_commit_wait_seconds_sum").expect("commit wait");
+    let cpu = sample(&text, "process_cpu_seconds_total").expect("cpu");
+    // The text rounds; a microsecond either way.
+    let within = |lo: f64, x: f64, hi: f64| lo - 1e-6 <= x && x <= hi + 1e-6;
+    assert!(
+        csi > 0.0 && within(before.csi_seconds, csi, after.csi_seconds),
+        "{csi} {before:?} {after:?}"
+    );
+    assert!(
+        wait > 0.0 && within(before.commit_wait_seconds, wait, after.commit_wait_seconds),
+        "{wait} {before:?} {after:?}"
+    );
+    assert!(
+        cpu > 0.0 && within(before.cpu_seconds, cpu, after.cpu_seconds),
+        "{cpu} {before:?} {after:?}"
+    );
 
     // A release: one NodeUnpublishVolume more, one allocation fewer.
     w.agent
