@@ -327,6 +327,11 @@ fn dirty_entries<'a, K: Ord, V>(
     a: &'a SharedMap<K, V>,
     b: &SharedMap<K, V>,
 ) -> Vec<(&'a K, &'a Arc<V>)> {
+    // The walk trusts both lists' first keys: one that went stale would
+    // make a shared chunk look changed on one side only, and `diff` would
+    // call its records removed.
+    debug_assert!(a.firsts.len() == a.chunks.len() && a.firsts.windows(2).all(|w| w[0] < w[1]));
+    debug_assert!(b.firsts.len() == b.chunks.len() && b.firsts.windows(2).all(|w| w[0] < w[1]));
     let mut d = Vec::new();
     let (mut i, mut j) = (0, 0);
     while i < a.chunks.len() {
@@ -608,7 +613,9 @@ mod tests {
 
     /// Any two versions from a pool that grew by random changes from one
     /// another (ancestors, siblings, cousins; splits, dropped chunks, new
-    /// first keys) diff exactly against plain maps, both ways.
+    /// first keys; rebuilt whole, cleared, every record replaced) diff
+    /// exactly against plain maps, both ways, and a one-key change reads
+    /// no more than its own chunks.
     #[test]
     fn any_two_related_versions_diff_exactly() {
         let mut x: u32 = 7;
@@ -624,6 +631,22 @@ mod tests {
         for round in 0..400 {
             let mut m = pool[next() as usize % pool.len()].clone();
             let mut plain = plain_of(&m);
+            match next() % 16 {
+                // Rebuilt whole (as read back): shares no chunk.
+                0 => m = SharedMap::from_map(m.iter().map(|(k, v)| (*k, v.clone())).collect()),
+                1 => {
+                    m.clear();
+                    plain.clear();
+                }
+                // Every record replaced: every chunk copied.
+                2 => {
+                    for v in m.values_mut() {
+                        *v = Arc::new(**v + 1);
+                    }
+                    plain.values_mut().for_each(|v| *v += 1);
+                }
+                _ => {}
+            }
             let span = [700, 60, 5][round % 3];
             let base = next() % 700;
             for _ in 0..(1 + next() % 40) {
@@ -648,6 +671,14 @@ mod tests {
                 }
             }
             check(&m, &plain);
+            // Only the chunks a change touched are read: with one key
+            // changed, at most the two halves of a split.
+            let mut one = m.clone();
+            one.insert(next() % 700, Arc::new(9));
+            assert!(
+                dirty_entries(&one, &m).len() <= 2 * CHUNK_MAX,
+                "round {round}"
+            );
             if pool.len() < 12 {
                 pool.push(m);
             } else {
