@@ -185,12 +185,13 @@ impl Threads {
     /// end cost more than many of them. Logs name the job
     /// (`with_current_name`).
     ///
-    /// Not for API requests nor restores: a mount's long-lived records,
-    /// allocated from threads that live on (glibc's per-thread malloc
-    /// caches keep chunks across jobs), left the heap more fragmented: 66.1
-    /// against 63.8 MiB resident with 10,000 allocations (three runs and
-    /// two); 63.0 with glibc's caches off
-    /// (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`).
+    /// Not for mounts nor restores: a mount's long-lived records, allocated
+    /// from threads that live on (glibc's per-thread malloc caches keep
+    /// chunks across jobs), left the heap more fragmented: 66.1 against
+    /// 63.8 MiB resident with 10,000 allocations (three runs and two; 66.6
+    /// against 63.6 on 2026-12-06, one run each); 63.0 with glibc's caches
+    /// off (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`). The other API
+    /// requests run here (63.7 MiB).
     pub fn spawn_pooled(
         &mut self,
         name: impl Into<String>,

@@ -1,7 +1,8 @@
 //! The local API (`proto/claimd.proto`): the grpcio server on a unix socket
 //! (mode 0600) and the conversions between its messages and the library's
-//! types. Every request runs on its own named thread, so a mount waiting
-//! for a plugin or a held claim never blocks gRPC's completion queue.
+//! types. Every request runs on a named thread of its own (a mount on a
+//! new one, others on pooled ones), so a mount waiting for a plugin or a
+//! held claim never blocks gRPC's completion queue nor another request.
 
 use std::fmt;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};

@@ -104,7 +104,11 @@ pub struct Service {
 }
 
 impl Service {
-    /// Runs `f` on its own thread and answers with its result.
+    /// Runs `f` on a thread of its own and answers with its result: a
+    /// mount on a new thread, any other request on a pooled one
+    /// (`Threads::spawn_pooled`), which saves a thread's start and end.
+    /// Mounts allocate the records that live on; from pooled threads they
+    /// left the heap fragmented (see `spawn_pooled`).
     fn run<R: protobuf::Message + Send + 'static>(
         &self,
         ctx: &RpcContext<'_>,
@@ -123,7 +127,7 @@ impl Service {
         };
         // The sink moves into the thread; if the spawn fails it is lost and
         // the client sees the call cancelled.
-        let spawned = threads.spawn(format!("api-{name}"), move || {
+        let job = move || {
             // Dropped last, once the answer is sent (see `heap::Busy`).
             let _busy = crate::heap::busy();
             let result = f(&me);
@@ -145,7 +149,12 @@ impl Service {
             if large {
                 crate::heap::give_back();
             }
-        });
+        };
+        let spawned = if name == "mount" {
+            threads.spawn(format!("api-{name}"), job).map(|_| ())
+        } else {
+            threads.spawn_pooled(format!("api-{name}"), job)
+        };
         if let Err(e) = spawned {
             log::error!("cannot start an API thread: {e}");
         }

@@ -42,6 +42,9 @@ struct Args {
     scale_n: Vec<usize>,
     /// Alternating rounds of the same-disk comparison (restart part).
     same_disk_rounds: usize,
+    /// Where each part makes its scratch directory (agents' state, plugin
+    /// state, every mount's paths): the file system measured.
+    scratch: PathBuf,
     only: Vec<String>,
 }
 
@@ -78,6 +81,7 @@ fn parse_args() -> Result<Args, String> {
         takeover_reps: 4,
         scale_n: vec![1, 10, 25, 50],
         same_disk_rounds: 15,
+        scratch: std::env::temp_dir(),
         only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -120,6 +124,7 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--same-disk-rounds: {e}"))?
             }
+            "--scratch" => a.scratch = PathBuf::from(val()?),
             "--takeover-reps" => {
                 a.takeover_reps = val()?
                     .parse()
@@ -147,7 +152,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 println!(
-                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--same-disk-rounds 15] [--scale-n 1,10,25,50] [--only {}]",
+                    "claimd-bench --agent PATH --plugin PATH [--out FILE] [--n 200] [--restart-n 1000] [--fanout 100] [--fanout-delay-ms 20 (0: skip)] [--concurrency 16] [--etcd /usr/bin/etcd] [--cluster-n 100] [--cluster-per-node 100] [--cluster-allocs 16] [--attach-n 40] [--takeover-reps 4] [--same-disk-rounds 15] [--scratch DIR (default $TMPDIR or /tmp)] [--scale-n 1,10,25,50] [--only {}]",
                     SECTIONS.join(",")
                 );
                 std::process::exit(0);
@@ -160,6 +165,12 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.fanout < 2 {
         return Err("--fanout must be at least 2 (one hung volume and the others)".into());
+    }
+    if !a.scratch.is_dir() {
+        return Err(format!(
+            "--scratch: {} is not a directory",
+            a.scratch.display()
+        ));
     }
     if a.attach_n < 1 || a.takeover_reps < 1 || a.same_disk_rounds < 1 {
         return Err("--attach-n, --takeover-reps and --same-disk-rounds must be at least 1".into());
@@ -203,6 +214,10 @@ fn main() {
     let env = claimd::csi::grpc_environment("bench-grpc");
     let mut results = serde_json::Map::new();
     let mut table: Vec<(String, String)> = Vec::new();
+    set_scratch_root(&args.scratch);
+    let fs = file_system_of(&args.scratch);
+    results.insert("scratch_file_system".into(), json!(fs));
+    table.push(("scratch directory's file system".into(), fs));
 
     // ---- 1. mount and release overhead, and 4. idle footprint -------------
     if args.runs("overhead") {

@@ -20,9 +20,72 @@ pub struct Scratch {
     pub children: Vec<Child>,
 }
 
+static SCRATCH_ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Where `Scratch::new` makes its directory (`--scratch`); set once, at
+/// the start.
+pub fn set_scratch_root(dir: &Path) {
+    let _ = SCRATCH_ROOT.set(dir.to_path_buf());
+}
+
+/// The file system holding `dir`, as the table prints it: type, source
+/// and, for ext4, whether it has a journal (its jbd2 directory under
+/// /proc/fs/jbd2). ext4 without a journal makes `mkdir` slow for minutes
+/// after mass deletions (see the performance manual's Method).
+pub fn file_system_of(dir: &Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return "unknown (no /proc/self/mountinfo)".into();
+    };
+    // The longest mount point that holds `dir`.
+    let mut best: Option<(PathBuf, String, String)> = None;
+    for line in table.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        let (Some(point), Some(fstype), Some(source)) =
+            (fields.get(4), fields.get(sep + 1), fields.get(sep + 2))
+        else {
+            continue;
+        };
+        let point = PathBuf::from(point.replace("\\040", " "));
+        let longer = match &best {
+            None => true,
+            Some((p, _, _)) => point.as_os_str().len() >= p.as_os_str().len(),
+        };
+        if dir.starts_with(&point) && longer {
+            best = Some((point, fstype.to_string(), source.to_string()));
+        }
+    }
+    let Some((point, fstype, source)) = best else {
+        return "unknown".into();
+    };
+    // jbd2 names a journal by the kernel's device name (dm-0, not the
+    // /dev/mapper link).
+    let dev = std::fs::canonicalize(&source)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let journal = match (fstype.as_str(), dev) {
+        ("ext4", Some(dev)) if Path::new(&format!("/proc/fs/jbd2/{dev}-8")).exists() => {
+            ", with a journal"
+        }
+        ("ext4", Some(_)) => {
+            ", WITHOUT a journal (mkdir slows for minutes after deletions: compare ratios from one run only)"
+        }
+        ("ext4", None) => ", journal unknown",
+        _ => "",
+    };
+    format!("{fstype} on {source} at {}{journal}", point.display())
+}
+
 impl Scratch {
     pub fn new() -> Scratch {
-        let dir = std::env::temp_dir().join(format!("claimd-bench-{}", std::process::id()));
+        let root = SCRATCH_ROOT
+            .get()
+            .cloned()
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = root.join(format!("claimd-bench-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create the scratch directory");
         Scratch {
             dir,
