@@ -21,8 +21,9 @@ impl MountEntry {
     }
 }
 
-/// Decodes mountinfo's octal escapes (`\040` for a space).
-fn unescape(s: &str) -> PathBuf {
+/// Decodes mountinfo's octal escapes (`\040` for a space, `\011`,
+/// `\012`, `\134`).
+pub fn unescape(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -181,9 +181,10 @@ impl Threads {
     /// waits for another to end). A pooled thread is owned and joined like
     /// the others; it waits `POOL_IDLE_KEEP` for its next job, and ends at
     /// once when this owner is joined. For jobs that come in bursts and
-    /// allocate little that outlives them (releases): a thread's start and
-    /// end cost more than many of them. Logs name the job
-    /// (`with_current_name`).
+    /// allocate little that outlives them (releases, and API requests
+    /// other than mounts: registering a volume leaves one small record): a
+    /// thread's start and end cost more than many of them. Logs name the
+    /// job (`with_current_name`).
     ///
     /// Not for mounts nor restores: a mount's long-lived records, allocated
     /// from threads that live on (glibc's per-thread malloc caches keep

@@ -104,15 +104,37 @@ pub struct Service {
 }
 
 impl Service {
-    /// Runs `f` on a thread of its own and answers with its result: a
-    /// mount on a new thread, any other request on a pooled one
-    /// (`Threads::spawn_pooled`), which saves a thread's start and end.
-    /// Mounts allocate the records that live on; from pooled threads they
-    /// left the heap fragmented (see `spawn_pooled`).
+    /// Runs `f` on a pooled thread (`Threads::spawn_pooled`, which saves a
+    /// thread's start and end) and answers with its result. For requests
+    /// that leave few long-lived records behind; see `run_fresh`.
     fn run<R: protobuf::Message + Send + 'static>(
         &self,
         ctx: &RpcContext<'_>,
         name: &str,
+        sink: UnarySink<R>,
+        f: impl FnOnce(&Service) -> Result<R, RpcStatus> + Send + 'static,
+    ) {
+        self.run_on(ctx, name, true, sink, f)
+    }
+
+    /// Runs `f` on a new thread and answers with its result: for mounts,
+    /// which allocate the records that live on. From pooled threads they
+    /// left the heap fragmented (see `Threads::spawn_pooled`).
+    fn run_fresh<R: protobuf::Message + Send + 'static>(
+        &self,
+        ctx: &RpcContext<'_>,
+        name: &str,
+        sink: UnarySink<R>,
+        f: impl FnOnce(&Service) -> Result<R, RpcStatus> + Send + 'static,
+    ) {
+        self.run_on(ctx, name, false, sink, f)
+    }
+
+    fn run_on<R: protobuf::Message + Send + 'static>(
+        &self,
+        ctx: &RpcContext<'_>,
+        name: &str,
+        pooled: bool,
         sink: UnarySink<R>,
         f: impl FnOnce(&Service) -> Result<R, RpcStatus> + Send + 'static,
     ) {
@@ -150,10 +172,10 @@ impl Service {
                 crate::heap::give_back();
             }
         };
-        let spawned = if name == "mount" {
-            threads.spawn(format!("api-{name}"), job).map(|_| ())
-        } else {
+        let spawned = if pooled {
             threads.spawn_pooled(format!("api-{name}"), job)
+        } else {
+            threads.spawn(format!("api-{name}"), job).map(|_| ())
         };
         if let Err(e) = spawned {
             log::error!("cannot start an API thread: {e}");
@@ -241,7 +263,7 @@ impl grpc::Claimd for Service {
         req: w::MountAllocRequest,
         sink: UnarySink<w::MountAllocResponse>,
     ) {
-        self.run(&ctx, "mount", sink, move |s| {
+        self.run_fresh(&ctx, "mount", sink, move |s| {
             crate::ids::check_api_alloc_id(&req.alloc_id)
                 .map_err(|e| status(RpcStatusCode::INVALID_ARGUMENT, e.to_string()))?;
             let reqs: Vec<VolumeRequest> = req

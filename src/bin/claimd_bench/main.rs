@@ -48,6 +48,10 @@ struct Args {
     only: Vec<String>,
 }
 
+/// Longest `--scratch`: the deepest socket the bench puts under it
+/// (`claimd-bench-PID/twin/...`) must fit sockaddr_un's 108 bytes.
+const SCRATCH_MAX: usize = 40;
+
 const SECTIONS: &[&str] = &[
     "overhead",
     "restart",
@@ -166,9 +170,19 @@ fn parse_args() -> Result<Args, String> {
     if a.fanout < 2 {
         return Err("--fanout must be at least 2 (one hung volume and the others)".into());
     }
+    // Absolute, as the agents' configs need; and short enough that the
+    // deepest socket under it fits a unix socket address (108 bytes).
+    a.scratch = std::fs::canonicalize(&a.scratch)
+        .map_err(|e| format!("--scratch {}: {e}", a.scratch.display()))?;
     if !a.scratch.is_dir() {
         return Err(format!(
             "--scratch: {} is not a directory",
+            a.scratch.display()
+        ));
+    }
+    if a.scratch.as_os_str().len() > SCRATCH_MAX {
+        return Err(format!(
+            "--scratch: {} is longer than {SCRATCH_MAX} bytes (the agents' sockets under it would not fit a unix socket address)",
             a.scratch.display()
         ));
     }

@@ -29,54 +29,77 @@ pub fn set_scratch_root(dir: &Path) {
 }
 
 /// The file system holding `dir`, as the table prints it: type, source
-/// and, for ext4, whether it has a journal (its jbd2 directory under
-/// /proc/fs/jbd2). ext4 without a journal makes `mkdir` slow for minutes
+/// and, for ext4, whether it has a journal (a jbd2 directory named after
+/// the kernel's name of its device, found through the mount's
+/// major:minor). ext4 without a journal makes `mkdir` slow for minutes
 /// after mass deletions (see the performance manual's Method).
 pub fn file_system_of(dir: &Path) -> String {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return "unknown (no /proc/self/mountinfo)".into();
+    let table = match std::fs::read("/proc/self/mountinfo") {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => return format!("unknown (/proc/self/mountinfo: {e})"),
     };
-    // The longest mount point that holds `dir`.
-    let mut best: Option<(PathBuf, String, String)> = None;
+    // The longest mount point that holds `dir`; of two on the same point,
+    // the later (the one on top).
+    let mut best: Option<(PathBuf, String, String, String)> = None;
     for line in table.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
         let Some(sep) = fields.iter().position(|f| *f == "-") else {
             continue;
         };
-        let (Some(point), Some(fstype), Some(source)) =
-            (fields.get(4), fields.get(sep + 1), fields.get(sep + 2))
-        else {
+        let (Some(dev), Some(point), Some(fstype), Some(source)) = (
+            fields.get(2),
+            fields.get(4),
+            fields.get(sep + 1),
+            fields.get(sep + 2),
+        ) else {
             continue;
         };
-        let point = PathBuf::from(point.replace("\\040", " "));
+        let point = claimd::mounts::unescape(point);
         let longer = match &best {
             None => true,
-            Some((p, _, _)) => point.as_os_str().len() >= p.as_os_str().len(),
+            Some((p, _, _, _)) => point.as_os_str().len() >= p.as_os_str().len(),
         };
         if dir.starts_with(&point) && longer {
-            best = Some((point, fstype.to_string(), source.to_string()));
+            best = Some((
+                point,
+                dev.to_string(),
+                fstype.to_string(),
+                claimd::mounts::unescape(source).display().to_string(),
+            ));
         }
     }
-    let Some((point, fstype, source)) = best else {
-        return "unknown".into();
+    let Some((point, dev, fstype, source)) = best else {
+        return "unknown (no mount holds it)".into();
     };
-    // jbd2 names a journal by the kernel's device name (dm-0, not the
-    // /dev/mapper link).
-    let dev = std::fs::canonicalize(&source)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
-    let journal = match (fstype.as_str(), dev) {
-        ("ext4", Some(dev)) if Path::new(&format!("/proc/fs/jbd2/{dev}-8")).exists() => {
-            ", with a journal"
+    let journal = if fstype == "ext4" {
+        match ext4_journal(&dev) {
+            Some(true) => ", with a journal",
+            Some(false) => {
+                ", WITHOUT a journal (mkdir slows for minutes after deletions: compare ratios from one run only)"
+            }
+            None => ", journal unknown",
         }
-        ("ext4", Some(_)) => {
-            ", WITHOUT a journal (mkdir slows for minutes after deletions: compare ratios from one run only)"
-        }
-        ("ext4", None) => ", journal unknown",
-        _ => "",
+    } else {
+        ""
     };
     format!("{fstype} on {source} at {}{journal}", point.display())
+}
+
+/// Whether the ext4 on block device `major:minor` has a journal: jbd2
+/// lists each journal it runs as `<kernel device name>-<inode>`. None when
+/// the device's name or jbd2's list cannot be read.
+fn ext4_journal(major_minor: &str) -> Option<bool> {
+    let link = std::fs::read_link(format!("/sys/dev/block/{major_minor}")).ok()?;
+    let name = link.file_name()?.to_string_lossy().into_owned();
+    let journals = std::fs::read_dir("/proc/fs/jbd2").ok()?;
+    let prefix = format!("{name}-");
+    Some(journals.flatten().any(|j| {
+        j.file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix.as_str()))
+            .is_some_and(|rest| rest.bytes().all(|c| c.is_ascii_digit()))
+    }))
 }
 
 impl Scratch {
