@@ -1,6 +1,6 @@
 //! What operations cost besides their time, between two probes: the CPU
 //! time of the agent (getrusage, through its `process_cpu_seconds_total`),
-//! of the plugin (`/proc/<pid>/stat`, in clock ticks) and of the client
+//! of the plugin (its CPU clock, in nanoseconds) and of the client
 //! (this process, getrusage), and the agent's own account of its durable
 //! writes and CSI calls (its metrics).
 
@@ -30,8 +30,21 @@ fn self_cpu() -> f64 {
     secs(u.ru_utime) + secs(u.ru_stime)
 }
 
-/// CPU seconds of process `pid` from `/proc/<pid>/stat` (clock ticks).
+/// CPU seconds of process `pid` (every thread, ended ones too): its CPU
+/// clock (clock_getcpuclockid(3), nanoseconds), or `/proc/<pid>/stat`'s
+/// clock ticks (10 ms) if that clock cannot be read. Ticks are too coarse
+/// for a plugin's 0.1 ms differences over 200 operations.
 pub fn proc_cpu(pid: u32) -> f64 {
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: clock_getcpuclockid writes the clock ID into `clock`.
+    if unsafe { libc::clock_getcpuclockid(pid as libc::pid_t, &mut clock) } == 0 {
+        // SAFETY: all-zero is a valid timespec; clock_gettime writes into it.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::clock_gettime(clock, &mut ts) } == 0 {
+            return ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9;
+        }
+    }
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let Some(rest) = text.rfind(')').map(|i| &text[i + 2..]) else {
         return 0.0;
