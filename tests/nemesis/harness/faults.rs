@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::etcd_cluster::EtcdCluster;
-use super::nodes::{all_threads_stopped, Node};
+use super::nodes::{all_threads_stopped, Node, Start};
 use super::power_cut::{self, LossPlan};
 use super::proxy::Cut;
 use super::rng::Rng;
@@ -805,23 +805,17 @@ fn poll_starting(
 ) {
     starting.retain(|&(fi, ni, since)| {
         let n = &nodes[ni];
-        if n.armed.is_some() && n.agent_exited() {
+        let res = match n.start_state() {
+            Start::Listening => Ok(()),
             // Killed by its failpoint before it listened: the fault's own
             // step starts it again.
-            faults[fi].ev["died_before_listening"] = json!(true);
-            return false;
-        }
-        let res = if wait {
-            n.wait_listening().map(|_| ())
-        } else if std::os::unix::net::UnixStream::connect(n.socket()).is_ok() {
-            Ok(())
-        } else if n.agent_exited() {
-            Err(format!(
-                "the agent of node {} exited before listening",
-                n.name
-            ))
-        } else {
-            return true;
+            Start::Exited if n.armed.is_some() => {
+                faults[fi].ev["died_before_listening"] = json!(true);
+                return false;
+            }
+            Start::Exited => Err(n.exited_before_listening()),
+            Start::Starting if wait => n.wait_listening().map(|_| ()),
+            Start::Starting => return true,
         };
         match res {
             Ok(()) => faults[fi].ev["listening_after_ms"] = json!(since.elapsed().as_millis()),

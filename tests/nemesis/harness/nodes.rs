@@ -184,19 +184,41 @@ impl Node {
         self.wait_listening()
     }
 
+    /// Where a started agent is. The process is looked at before its
+    /// socket is tried: one that dies between the two looks is `Starting`
+    /// now and `Exited` on the next look, never reported as having exited
+    /// before it listened while it was still alive at the first look.
+    pub fn start_state(&self) -> Start {
+        let exited = self.agent_exited();
+        if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+            Start::Listening
+        } else if exited {
+            Start::Exited
+        } else {
+            Start::Starting
+        }
+    }
+
+    /// The report of an agent that exited before it listened, with its pid.
+    pub fn exited_before_listening(&self) -> String {
+        let pid = self
+            .pid()
+            .map_or("no pid".to_string(), |p| format!("pid {p}"));
+        format!(
+            "the agent of node {} ({pid}) exited before listening",
+            self.name
+        )
+    }
+
     /// Waits until the agent's API socket accepts a connection (a restore
     /// holds the API: this can take long), bounded by `RESTART_TIMEOUT`.
     pub fn wait_listening(&self) -> Result<Duration, String> {
         let start = Instant::now();
         loop {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return Ok(start.elapsed());
-            }
-            if self.agent_exited() {
-                return Err(format!(
-                    "the agent of node {} exited before listening",
-                    self.name
-                ));
+            match self.start_state() {
+                Start::Listening => return Ok(start.elapsed()),
+                Start::Exited => return Err(self.exited_before_listening()),
+                Start::Starting => {}
             }
             if start.elapsed() > RESTART_TIMEOUT {
                 return Err(format!(
@@ -207,6 +229,13 @@ impl Node {
             thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// Where a started agent is (`Node::start_state`).
+pub enum Start {
+    Listening,
+    Exited,
+    Starting,
 }
 
 /// The members in the order node `i` lists them: its own member first.
