@@ -4,36 +4,163 @@
 //! records. A map behind one `Arc` made that clone cheap, but the first
 //! change copied the whole map: 10,000 keys and pointers for one record.
 //! Here the records sit in chunks of at most `CHUNK_MAX`, each behind its
-//! own `Arc`, in key order in an outer list of pointers: a change copies
-//! that list (one pointer per chunk, no keys) and the one chunk it touches.
-//! A key is found by a binary search over the chunks' first keys, kept in
-//! a list of their own (shared too, and copied only when a chunk's first
-//! key changes: a split, or the first key added or removed). Two maps
-//! that share chunks are compared, and diffed into a journal line, chunk by
-//! chunk: shared chunks (the same pointer) are skipped unread.
+//! own `Arc`; the chunks sit, in key order, in groups of at most
+//! `GROUP_MAX`, each behind its own `Arc` too; and the groups sit in an
+//! outer list. A change copies the outer list (one pointer per group), the
+//! one group it touches (one pointer per chunk) and the one chunk: at
+//! 10,000 records about 20 + 24 pointers and 24 records, where one flat
+//! list of chunks copied 208 pointers. Copying a list of pointers touches
+//! every pointee's reference count, in records scattered over a large
+//! heap, and dropping the old version touches them again: the two-level
+//! list is there to keep those touches few.
+//!
+//! A key is found by a binary search over the groups' first keys, then
+//! over the group's chunks' first keys; both lists of first keys are
+//! shared too, and copied only when a first key changes (a split, a chunk
+//! or group gone, the first key added or removed). Two maps that share
+//! groups or chunks are compared, and diffed into a journal line, part by
+//! part: shared groups and chunks (the same pointer) are skipped unread.
 
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::ops::Bound;
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A chunk splits in two when it grows past this many records.
-const CHUNK_MAX: usize = 64;
+const CHUNK_MAX: usize = 32;
 /// Records per chunk when a map is built whole (room to grow before a
 /// split).
-const CHUNK_FILL: usize = 48;
+const CHUNK_FILL: usize = 24;
+/// A group splits in two when it holds more chunks than this.
+const GROUP_MAX: usize = 32;
+/// Chunks per group when a map is built whole.
+const GROUP_FILL: usize = 24;
 
-type Chunk<K, V> = BTreeMap<K, Arc<V>>;
-type Chunks<K, V> = Vec<Arc<Chunk<K, V>>>;
+/// Records in key order: a sorted list, one allocation, found by
+/// bisection. (A `BTreeMap` of a chunk's size took an inner node and three
+/// leaves, about 1 MiB more at 10,000 allocations.)
+struct Chunk<K, V>(Vec<(K, Arc<V>)>);
 
-/// See the module documentation. Invariants: no chunk is empty; every key
-/// of a chunk is below every key of the next chunk; `firsts[i]` is the
-/// first key of `chunks[i]`.
+impl<K: Clone, V> Clone for Chunk<K, V> {
+    fn clone(&self) -> Self {
+        Chunk(self.0.clone())
+    }
+}
+
+impl<K: Ord, V> Chunk<K, V> {
+    fn find<Q>(&self, k: &Q) -> Result<usize, usize>
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        self.0.binary_search_by(|(x, _)| x.borrow().cmp(k))
+    }
+
+    fn get<Q>(&self, k: &Q) -> Option<&Arc<V>>
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        self.find(k).ok().map(|i| &self.0[i].1)
+    }
+
+    fn contains_key<Q>(&self, k: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        self.find(k).is_ok()
+    }
+
+    fn get_mut<Q>(&mut self, k: &Q) -> Option<&mut Arc<V>>
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        let i = self.find(k).ok()?;
+        Some(&mut self.0[i].1)
+    }
+
+    /// Adds or replaces; the old value. Grows the list by one only: a
+    /// chunk is copied on every change anyway, so room to grow would be
+    /// memory held for nothing.
+    fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
+        match self.find(&k) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, v)),
+            Err(i) => {
+                self.0.reserve_exact(1);
+                self.0.insert(i, (k, v));
+                None
+            }
+        }
+    }
+
+    fn remove<Q>(&mut self, k: &Q) -> Option<Arc<V>>
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        let i = self.find(k).ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    fn first(&self) -> Option<&K> {
+        self.0.first().map(|(k, _)| k)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &Arc<V>)> + '_ {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+
+    /// The entries from `from` on.
+    fn range_from<'a>(&'a self, from: &K) -> impl Iterator<Item = (&'a K, &'a Arc<V>)> + 'a {
+        let start = self.0.partition_point(|(k, _)| k < from);
+        self.0[start..].iter().map(|(k, v)| (k, v))
+    }
+
+    /// The upper half, taken out (this one keeps the lower half, and no
+    /// more room than it needs).
+    fn split_half(&mut self) -> Chunk<K, V> {
+        let upper = self.0.split_off(self.0.len() / 2);
+        self.0.shrink_to_fit();
+        Chunk(upper)
+    }
+}
+
+/// Chunks in key order, and their first keys (`firsts[i]` is the first key
+/// of `chunks[i]`).
+struct Group<K, V> {
+    chunks: Vec<Arc<Chunk<K, V>>>,
+    firsts: Arc<Vec<K>>,
+}
+
+impl<K, V> Clone for Group<K, V> {
+    fn clone(&self) -> Self {
+        Group {
+            chunks: self.chunks.clone(),
+            firsts: self.firsts.clone(),
+        }
+    }
+}
+
+type Groups<K, V> = Vec<Arc<Group<K, V>>>;
+
+/// See the module documentation. Invariants: no chunk and no group is
+/// empty; every key of a chunk is below every key of the next chunk, in
+/// its group and across groups; `firsts[i]` is the first key of
+/// `groups[i]`, which is its first chunk's.
 pub struct SharedMap<K: Ord, V> {
-    chunks: Arc<Chunks<K, V>>,
+    groups: Arc<Groups<K, V>>,
     firsts: Arc<Vec<K>>,
     len: usize,
 }
@@ -41,7 +168,7 @@ pub struct SharedMap<K: Ord, V> {
 impl<K: Ord, V> Clone for SharedMap<K, V> {
     fn clone(&self) -> Self {
         SharedMap {
-            chunks: self.chunks.clone(),
+            groups: self.groups.clone(),
             firsts: self.firsts.clone(),
             len: self.len,
         }
@@ -51,15 +178,15 @@ impl<K: Ord, V> Clone for SharedMap<K, V> {
 impl<K: Ord, V> Default for SharedMap<K, V> {
     fn default() -> Self {
         SharedMap {
-            chunks: Arc::new(Vec::new()),
+            groups: Arc::new(Vec::new()),
             firsts: Arc::new(Vec::new()),
             len: 0,
         }
     }
 }
 
-/// The index of the chunk that would hold `k`: the last whose first key is
-/// at most `k`, or None when `k` is below every chunk (or there is none).
+/// The index of the part that would hold `k`: the last whose first key is
+/// at most `k`, or None when `k` is below every part (or there is none).
 fn slot<K, Q>(firsts: &[K], k: &Q) -> Option<usize>
 where
     K: Borrow<Q>,
@@ -77,14 +204,27 @@ impl<K: Ord, V> SharedMap<K, V> {
         self.len == 0
     }
 
-    /// The index of the chunk that holds `k`, when `k` is in the map.
-    fn index_of<Q>(&self, k: &Q) -> Option<usize>
+    /// The group and the chunk in it that would hold `k`.
+    fn place<Q>(&self, k: &Q) -> Option<(usize, usize)>
     where
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        let i = slot(&self.firsts, k)?;
-        self.chunks[i].contains_key(k).then_some(i)
+        let g = slot(&self.firsts, k)?;
+        // The group's first chunk starts at the group's first key, which
+        // is at most `k`.
+        let c = slot(&self.groups[g].firsts, k)?;
+        Some((g, c))
+    }
+
+    /// The group and chunk that hold `k`, when `k` is in the map.
+    fn index_of<Q>(&self, k: &Q) -> Option<(usize, usize)>
+    where
+        K: Borrow<Q>,
+        Q: Ord + ?Sized,
+    {
+        let (g, c) = self.place(k)?;
+        self.groups[g].chunks[c].contains_key(k).then_some((g, c))
     }
 
     pub fn get<Q>(&self, k: &Q) -> Option<&Arc<V>>
@@ -92,7 +232,8 @@ impl<K: Ord, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        self.chunks[slot(&self.firsts, k)?].get(k)
+        let (g, c) = self.place(k)?;
+        self.groups[g].chunks[c].get(k)
     }
 
     pub fn contains_key<Q>(&self, k: &Q) -> bool
@@ -103,9 +244,14 @@ impl<K: Ord, V> SharedMap<K, V> {
         self.get(k).is_some()
     }
 
+    /// Every chunk, in key order.
+    fn chunks(&self) -> impl DoubleEndedIterator<Item = &Arc<Chunk<K, V>>> + '_ {
+        self.groups.iter().flat_map(|g| g.chunks.iter())
+    }
+
     /// Every entry, in key order.
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &Arc<V>)> + '_ {
-        self.chunks.iter().flat_map(|c| c.iter())
+        self.chunks().flat_map(|c| c.iter())
     }
 
     pub fn keys(&self) -> impl DoubleEndedIterator<Item = &K> + '_ {
@@ -118,15 +264,18 @@ impl<K: Ord, V> SharedMap<K, V> {
 
     /// The entries from `from` on, in key order.
     pub fn range_from(&self, from: K) -> impl Iterator<Item = (&K, &Arc<V>)> + '_ {
-        let start = slot(&self.firsts, &from).unwrap_or(0);
-        self.chunks[start..]
+        let (g, c) = self.place(&from).unwrap_or((0, 0));
+        let first = self.groups.get(g).map_or(&[][..], |gr| &gr.chunks[c..]);
+        let rest = self.groups.get(g + 1..).unwrap_or(&[]);
+        first
             .iter()
-            .flat_map(move |c| c.range::<K, _>((Bound::Included(&from), Bound::Unbounded)))
+            .chain(rest.iter().flat_map(|gr| gr.chunks.iter()))
+            .flat_map(move |c| c.range_from(&from))
     }
 
     /// Whether both are the same map (then equal without looking).
     pub fn same(a: &Self, b: &Self) -> bool {
-        Arc::ptr_eq(&a.chunks, &b.chunks)
+        Arc::ptr_eq(&a.groups, &b.groups)
     }
 }
 
@@ -134,7 +283,7 @@ impl<K: Ord, V> SharedMap<K, V> {
 /// know whether it still describes it. Holding one keeps the map's outer
 /// list alive and shared, so any change to the map (every change goes
 /// through a copy-on-write of that list) makes a map this is not.
-pub struct MapId<K: Ord, V>(Arc<Chunks<K, V>>);
+pub struct MapId<K: Ord, V>(Arc<Groups<K, V>>);
 
 impl<K: Ord, V> Clone for MapId<K, V> {
     fn clone(&self) -> Self {
@@ -145,73 +294,135 @@ impl<K: Ord, V> Clone for MapId<K, V> {
 impl<K: Ord, V> MapId<K, V> {
     /// Whether `m` is the map this names, unchanged.
     pub fn is(&self, m: &SharedMap<K, V>) -> bool {
-        Arc::ptr_eq(&self.0, &m.chunks)
+        Arc::ptr_eq(&self.0, &m.groups)
     }
 }
 
 impl<K: Ord, V> SharedMap<K, V> {
     /// This map's identity (see `MapId`).
     pub fn id(&self) -> MapId<K, V> {
-        MapId(self.chunks.clone())
+        MapId(self.groups.clone())
     }
+}
+
+/// Splits `items` and their first keys in two halves when past `max`: the
+/// upper half, to go right after them.
+fn split_past<T, K>(
+    items: &mut Vec<T>,
+    firsts: &mut Arc<Vec<K>>,
+    max: usize,
+) -> Option<(Vec<T>, Vec<K>)>
+where
+    K: Clone,
+{
+    if items.len() <= max {
+        return None;
+    }
+    let mid = items.len() / 2;
+    let upper = items.split_off(mid);
+    let upper_firsts = Arc::make_mut(firsts).split_off(mid);
+    Some((upper, upper_firsts))
 }
 
 impl<K: Ord + Clone, V> SharedMap<K, V> {
     pub fn from_map(m: BTreeMap<K, Arc<V>>) -> Self {
         let len = m.len();
-        let mut chunks = Vec::with_capacity(len.div_ceil(CHUNK_FILL));
-        let mut firsts = Vec::with_capacity(len.div_ceil(CHUNK_FILL));
-        let mut chunk = BTreeMap::new();
+        let mut groups = Vec::with_capacity(len.div_ceil(CHUNK_FILL * GROUP_FILL));
+        let mut firsts = Vec::with_capacity(groups.capacity());
+        let mut group = Group {
+            chunks: Vec::new(),
+            firsts: Arc::new(Vec::new()),
+        };
+        let mut chunk = Chunk(Vec::with_capacity(CHUNK_FILL));
+        let mut close_group = |group: &mut Group<K, V>, groups: &mut Groups<K, V>| {
+            let g = std::mem::replace(
+                group,
+                Group {
+                    chunks: Vec::new(),
+                    firsts: Arc::new(Vec::new()),
+                },
+            );
+            firsts.push(g.firsts[0].clone());
+            groups.push(Arc::new(g));
+        };
         for (k, v) in m {
             if chunk.is_empty() {
-                firsts.push(k.clone());
+                Arc::make_mut(&mut group.firsts).push(k.clone());
             }
-            chunk.insert(k, v);
+            // In key order: appended.
+            chunk.0.push((k, v));
             if chunk.len() == CHUNK_FILL {
-                chunks.push(Arc::new(std::mem::take(&mut chunk)));
+                let full = std::mem::replace(&mut chunk, Chunk(Vec::with_capacity(CHUNK_FILL)));
+                group.chunks.push(Arc::new(full));
+                if group.chunks.len() == GROUP_FILL {
+                    close_group(&mut group, &mut groups);
+                }
             }
         }
         if !chunk.is_empty() {
-            chunks.push(Arc::new(chunk));
+            group.chunks.push(Arc::new(chunk));
+        }
+        if !group.chunks.is_empty() {
+            close_group(&mut group, &mut groups);
         }
         SharedMap {
-            chunks: Arc::new(chunks),
+            groups: Arc::new(groups),
             firsts: Arc::new(firsts),
             len,
         }
     }
 
     pub fn insert(&mut self, k: K, v: Arc<V>) -> Option<Arc<V>> {
-        let chunks = Arc::make_mut(&mut self.chunks);
-        if chunks.is_empty() {
+        let groups = Arc::make_mut(&mut self.groups);
+        if groups.is_empty() {
             Arc::make_mut(&mut self.firsts).push(k.clone());
-            chunks.push(Arc::new(BTreeMap::from([(k, v)])));
+            groups.push(Arc::new(Group {
+                firsts: Arc::new(vec![k.clone()]),
+                chunks: vec![Arc::new(Chunk(vec![(k, v)]))],
+            }));
             self.len = 1;
             return None;
         }
-        let i = match slot(&self.firsts, &k) {
-            Some(i) => i,
+        let (g, c) = match slot(&self.firsts, &k) {
+            Some(g) => (
+                g,
+                slot(&groups[g].firsts, &k).expect("a group's first chunk starts at its first key"),
+            ),
             None => {
-                // Below every chunk's first key: the first chunk takes it,
-                // and it is that chunk's first key now.
+                // Below every key: the first chunk of the first group
+                // takes it, and it is both's first key now.
                 Arc::make_mut(&mut self.firsts)[0] = k.clone();
-                0
+                Arc::make_mut(&mut Arc::make_mut(&mut groups[0]).firsts)[0] = k.clone();
+                (0, 0)
             }
         };
-        let chunk = Arc::make_mut(&mut chunks[i]);
+        let group = Arc::make_mut(&mut groups[g]);
+        let chunk = Arc::make_mut(&mut group.chunks[c]);
         let old = chunk.insert(k, v);
         if old.is_none() {
             self.len += 1;
         }
         if chunk.len() > CHUNK_MAX {
-            let mid = chunk
-                .keys()
-                .nth(chunk.len() / 2)
-                .cloned()
-                .expect("a chunk past its size");
-            let upper = chunk.split_off(&mid);
-            chunks.insert(i + 1, Arc::new(upper));
-            Arc::make_mut(&mut self.firsts).insert(i + 1, mid);
+            let upper = chunk.split_half();
+            let mid = upper
+                .first()
+                .expect("half of a chunk past its size")
+                .clone();
+            group.chunks.insert(c + 1, Arc::new(upper));
+            Arc::make_mut(&mut group.firsts).insert(c + 1, mid);
+            if let Some((chunks, firsts)) =
+                split_past(&mut group.chunks, &mut group.firsts, GROUP_MAX)
+            {
+                let first = firsts[0].clone();
+                groups.insert(
+                    g + 1,
+                    Arc::new(Group {
+                        chunks,
+                        firsts: Arc::new(firsts),
+                    }),
+                );
+                Arc::make_mut(&mut self.firsts).insert(g + 1, first);
+            }
         }
         old
     }
@@ -221,17 +432,28 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        let i = self.index_of(k)?;
-        let chunks = Arc::make_mut(&mut self.chunks);
-        let chunk = Arc::make_mut(&mut chunks[i]);
+        let (g, c) = self.index_of(k)?;
+        let groups = Arc::make_mut(&mut self.groups);
+        let group = Arc::make_mut(&mut groups[g]);
+        let chunk = Arc::make_mut(&mut group.chunks[c]);
         let old = chunk.remove(k);
-        match chunk.keys().next() {
+        match chunk.first() {
             None => {
-                chunks.remove(i);
-                Arc::make_mut(&mut self.firsts).remove(i);
+                group.chunks.remove(c);
+                Arc::make_mut(&mut group.firsts).remove(c);
             }
-            Some(f) if f != &self.firsts[i] => {
-                Arc::make_mut(&mut self.firsts)[i] = f.clone();
+            Some(f) if f != &group.firsts[c] => {
+                Arc::make_mut(&mut group.firsts)[c] = f.clone();
+            }
+            Some(_) => {}
+        }
+        match group.firsts.first() {
+            None => {
+                groups.remove(g);
+                Arc::make_mut(&mut self.firsts).remove(g);
+            }
+            Some(f) if f != &self.firsts[g] => {
+                Arc::make_mut(&mut self.firsts)[g] = f.clone();
             }
             Some(_) => {}
         }
@@ -246,16 +468,18 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
         K: Borrow<Q>,
         Q: Ord + ?Sized,
     {
-        let i = self.index_of(k)?;
-        let chunks = Arc::make_mut(&mut self.chunks);
-        Arc::make_mut(&mut chunks[i]).get_mut(k)
+        let (g, c) = self.index_of(k)?;
+        let group = Arc::make_mut(&mut Arc::make_mut(&mut self.groups)[g]);
+        Arc::make_mut(&mut group.chunks[c]).get_mut(k)
     }
 
-    /// Every record for changing (copies every chunk that is shared).
+    /// Every record for changing (copies every group and chunk that is
+    /// shared).
     pub fn values_mut(&mut self) -> impl Iterator<Item = &mut Arc<V>> + '_ {
-        Arc::make_mut(&mut self.chunks)
+        Arc::make_mut(&mut self.groups)
             .iter_mut()
-            .flat_map(|c| Arc::make_mut(c).values_mut())
+            .flat_map(|g| Arc::make_mut(g).chunks.iter_mut())
+            .flat_map(|c| Arc::make_mut(c).0.iter_mut().map(|(_, v)| v))
     }
 
     pub fn clear(&mut self) {
@@ -267,16 +491,16 @@ impl<K: Ord + Clone, V> SharedMap<K, V> {
 
 impl<K: Ord, V: PartialEq> SharedMap<K, V> {
     /// Every key whose value differs between `old` and `new`, in key order:
-    /// `Some(new value)` when added or changed, None when removed. Chunks
-    /// both maps share (the same pointer) are skipped unread; shared
-    /// records are skipped without comparing them.
+    /// `Some(new value)` when added or changed, None when removed. Groups
+    /// and chunks both maps share (the same pointer) are skipped unread;
+    /// shared records are skipped without comparing them.
     pub fn diff(old: &Self, new: &Self, mut changed: impl FnMut(&K, Option<&Arc<V>>)) {
         if Self::same(old, new) {
             return;
         }
-        // A key in a chunk both share is in that chunk on both sides (a
-        // shared chunk holds the same keys in both, and a key is in one
-        // chunk of a map): only the other chunks can differ, and a key in
+        // A key in a part both share is in that part on both sides (a
+        // shared part holds the same keys in both, and a key is in one
+        // part of a map): only the other parts can differ, and a key in
         // one of them on one side is in one of them on the other side, if
         // anywhere.
         let (o, n) = (dirty_entries(old, new), dirty_entries(new, old));
@@ -315,45 +539,81 @@ impl<K: Ord, V: PartialEq> SharedMap<K, V> {
     }
 }
 
-/// The entries of `a` in chunks that `b` does not share (the same
-/// pointer), in key order. Both maps are borrowed for the whole call, so a
-/// pointer seen in both is one chunk, not a freed one's address reused.
+/// The positions in `a` of the parts (groups or chunks) that `b` does not
+/// share (the same pointer), given both lists in key order with their
+/// first keys, strictly increasing. A part both share appears in both
+/// lists: the caller passes whole lists, or only the chunks of groups not
+/// shared (a chunk in a shared group is in that group on both sides, and
+/// in no other part of either map).
 ///
-/// One walk over both chunk lists: a chunk shared by both holds the same
-/// keys on both sides, so it is the chunk of `b` with its first key, and
-/// both lists are in key order. Where the pointers at the walk's two
-/// positions differ, the first keys say which side is ahead.
-fn dirty_entries<'a, K: Ord, V>(
-    a: &'a SharedMap<K, V>,
-    b: &SharedMap<K, V>,
-) -> Vec<(&'a K, &'a Arc<V>)> {
+/// One walk over both lists: a part shared by both holds the same keys on
+/// both sides, so it is the part of `b` with its first key. Where the
+/// pointers at the walk's two positions differ, the first keys say which
+/// side is ahead.
+fn unshared<T, K: Ord>(a: &[&Arc<T>], af: &[&K], b: &[&Arc<T>], bf: &[&K]) -> Vec<usize> {
     // The walk trusts both lists' first keys: one that went stale would
-    // make a shared chunk look changed on one side only, and `diff` would
+    // make a shared part look changed on one side only, and `diff` would
     // call its records removed.
-    debug_assert!(a.firsts.len() == a.chunks.len() && a.firsts.windows(2).all(|w| w[0] < w[1]));
-    debug_assert!(b.firsts.len() == b.chunks.len() && b.firsts.windows(2).all(|w| w[0] < w[1]));
+    debug_assert!(a.len() == af.len() && af.windows(2).all(|w| w[0] < w[1]));
+    debug_assert!(b.len() == bf.len() && bf.windows(2).all(|w| w[0] < w[1]));
     let mut d = Vec::new();
     let (mut i, mut j) = (0, 0);
-    while i < a.chunks.len() {
-        if j < b.chunks.len() && Arc::ptr_eq(&a.chunks[i], &b.chunks[j]) {
+    while i < a.len() {
+        if j < b.len() && Arc::ptr_eq(a[i], b[j]) {
             i += 1;
             j += 1;
             continue;
         }
-        match b.firsts.get(j).map(|bf| a.firsts[i].cmp(bf)) {
-            // b's chunk starts below: no chunk of a can be it.
+        match bf.get(j).map(|bf| af[i].cmp(bf)) {
+            // b's part starts below: no part of a can be it.
             Some(std::cmp::Ordering::Greater) => j += 1,
-            // The same first key in another chunk (changed), or b's
-            // chunk starts above or b has none left: a's chunk is not in
-            // b.
+            // The same first key in another part (changed), or b's part
+            // starts above or b has none left: a's part is not in b.
             _ => {
-                d.extend(a.chunks[i].iter());
-                if b.firsts.get(j) == Some(&a.firsts[i]) {
+                d.push(i);
+                if bf.get(j) == Some(&af[i]) {
                     j += 1;
                 }
                 i += 1;
             }
         }
+    }
+    d
+}
+
+/// The chunks, with their first keys, of the groups of `m` at `groups`.
+#[allow(clippy::type_complexity)]
+fn chunks_of<'a, K: Ord, V>(
+    m: &'a SharedMap<K, V>,
+    groups: &[usize],
+) -> (Vec<&'a Arc<Chunk<K, V>>>, Vec<&'a K>) {
+    let mut chunks = Vec::new();
+    let mut firsts = Vec::new();
+    for &g in groups {
+        let group = &m.groups[g];
+        chunks.extend(group.chunks.iter());
+        firsts.extend(group.firsts.iter());
+    }
+    (chunks, firsts)
+}
+
+/// The entries of `a` in chunks that `b` does not share (the same
+/// pointer, in itself or in a shared group), in key order. Both maps are
+/// borrowed for the whole call, so a pointer seen in both is one part, not
+/// a freed one's address reused.
+fn dirty_entries<'a, K: Ord, V>(
+    a: &'a SharedMap<K, V>,
+    b: &SharedMap<K, V>,
+) -> Vec<(&'a K, &'a Arc<V>)> {
+    let ag: Vec<&Arc<Group<K, V>>> = a.groups.iter().collect();
+    let bg: Vec<&Arc<Group<K, V>>> = b.groups.iter().collect();
+    let af: Vec<&K> = a.firsts.iter().collect();
+    let bf: Vec<&K> = b.firsts.iter().collect();
+    let (ac, acf) = chunks_of(a, &unshared(&ag, &af, &bg, &bf));
+    let (bc, bcf) = chunks_of(b, &unshared(&bg, &bf, &ag, &af));
+    let mut d = Vec::new();
+    for i in unshared(&ac, &acf, &bc, &bcf) {
+        d.extend(ac[i].iter());
     }
     d
 }
@@ -407,301 +667,4 @@ where
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn map(keys: impl IntoIterator<Item = u32>) -> SharedMap<u32, u32> {
-        let mut m = SharedMap::default();
-        for k in keys {
-            m.insert(k, Arc::new(k * 10));
-        }
-        m
-    }
-
-    fn check(m: &SharedMap<u32, u32>, want: &BTreeMap<u32, u32>) {
-        let got: Vec<(u32, u32)> = m.iter().map(|(k, v)| (*k, **v)).collect();
-        let exp: Vec<(u32, u32)> = want.iter().map(|(k, v)| (*k, *v)).collect();
-        assert_eq!(got, exp);
-        assert_eq!(m.len(), want.len());
-        for c in m.chunks.iter() {
-            assert!(!c.is_empty(), "empty chunk");
-            assert!(c.len() <= CHUNK_MAX);
-        }
-        for w in m.chunks.windows(2) {
-            let last = w[0].keys().next_back().expect("not empty");
-            let next = w[1].keys().next().expect("not empty");
-            assert!(last < next, "chunks overlap at {last}");
-        }
-        let firsts: Vec<u32> = m
-            .chunks
-            .iter()
-            .map(|c| *c.keys().next().expect("a key"))
-            .collect();
-        assert_eq!(*m.firsts, firsts, "the first keys kept are the chunks'");
-        for (k, v) in want {
-            assert_eq!(m.get(k).map(|v| **v), Some(*v));
-        }
-    }
-
-    /// Inserts and removes in a scrambled order against a BTreeMap.
-    #[test]
-    fn behaves_as_an_ordered_map() {
-        let mut m = SharedMap::default();
-        let mut want = BTreeMap::new();
-        let mut x: u32 = 7;
-        for i in 0..5000u32 {
-            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            let k = (x >> 8) % 3000;
-            if i % 3 == 2 {
-                assert_eq!(m.remove(&k).map(|v| *v), want.remove(&k));
-            } else {
-                assert_eq!(m.insert(k, Arc::new(i)).map(|v| *v), want.insert(k, i));
-            }
-        }
-        check(&m, &want);
-        let from = 1500;
-        let got: Vec<u32> = m.range_from(from).map(|(k, _)| *k).collect();
-        let exp: Vec<u32> = want.range(from..).map(|(k, _)| *k).collect();
-        assert_eq!(got, exp);
-        let rebuilt = SharedMap::from_map(m.iter().map(|(k, v)| (*k, v.clone())).collect());
-        check(&rebuilt, &want);
-        assert_eq!(rebuilt, m);
-        let json = serde_json::to_string(&m).expect("serialize");
-        let back: SharedMap<u32, u32> = serde_json::from_str(&json).expect("deserialize");
-        assert_eq!(back, m);
-        m.clear();
-        assert!(m.is_empty() && m.iter().next().is_none());
-    }
-
-    /// A change copies one chunk, and the diff of two versions reads only
-    /// the chunks that differ and finds exactly the changes.
-    #[test]
-    fn a_change_copies_one_chunk_and_diffs_exactly() {
-        let old = map(0..10_000);
-        let mut new = old.clone();
-        new.insert(5_000, Arc::new(1));
-        new.remove(&7_777);
-        new.insert(20_000, Arc::new(2));
-        let shared = old
-            .chunks
-            .iter()
-            .filter(|c| new.chunks.iter().any(|n| Arc::ptr_eq(n, c)))
-            .count();
-        assert!(
-            shared + 3 >= old.chunks.len(),
-            "{shared} of {} chunks shared",
-            old.chunks.len()
-        );
-        let mut changes = Vec::new();
-        SharedMap::diff(&old, &new, |k, v| changes.push((*k, v.map(|v| **v))));
-        assert_eq!(
-            changes,
-            vec![(5_000, Some(1)), (7_777, None), (20_000, Some(2))]
-        );
-        assert_ne!(old, new);
-        // The same values in new records are not changes.
-        let mut again = old.clone();
-        again.insert(42, Arc::new(420));
-        assert_eq!(again, old);
-        let mut none = Vec::new();
-        SharedMap::diff(&old, &again, |k, _| none.push(*k));
-        assert!(none.is_empty(), "{none:?}");
-        // A key below every chunk's first key goes to the first chunk.
-        let mut low = map(100..200);
-        low.insert(1, Arc::new(10));
-        let mut want: BTreeMap<u32, u32> = (100..200).map(|k| (k, k * 10)).collect();
-        want.insert(1, 10);
-        check(&low, &want);
-    }
-
-    /// Diffs between versions that split, empty and drop chunks find
-    /// exactly what a plain map comparison finds.
-    #[test]
-    fn diffs_across_splits_and_dropped_chunks_are_exact() {
-        let mut x: u32 = 99;
-        let mut next = move || {
-            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            x >> 8
-        };
-        let mut cur = map(0..2000);
-        let mut plain: BTreeMap<u32, u32> = (0..2000).map(|k| (k, k * 10)).collect();
-        for round in 0..200 {
-            let (before, before_plain) = (cur.clone(), plain.clone());
-            for _ in 0..(next() % 90) {
-                let k = if round % 4 == 0 {
-                    next() % 2200
-                } else {
-                    500 + next() % 80
-                };
-                if next() % 2 == 0 {
-                    cur.remove(&k);
-                    plain.remove(&k);
-                } else {
-                    let v = next() % 3;
-                    cur.insert(k, Arc::new(v));
-                    plain.insert(k, v);
-                }
-            }
-            check(&cur, &plain);
-            let mut got = Vec::new();
-            SharedMap::diff(&before, &cur, |k, v| got.push((*k, v.map(|v| **v))));
-            let mut want = Vec::new();
-            for k in before_plain.keys().chain(plain.keys()) {
-                if before_plain.get(k) != plain.get(k) && want.last().map(|(l, _)| l) != Some(k) {
-                    want.push((*k, plain.get(k).copied()));
-                }
-            }
-            want.sort_unstable();
-            want.dedup();
-            assert_eq!(got, want, "round {round}");
-            assert_eq!(before == cur, want.is_empty());
-        }
-    }
-
-    /// Two versions that both changed since a common one (a split on one
-    /// side, a dropped chunk on the other) diff exactly, a map built whole
-    /// equals the copied one, and every change makes a map its old
-    /// identity is not (a change that changes nothing keeps it).
-    #[test]
-    fn siblings_diff_exactly_and_every_change_gets_a_new_id() {
-        let base = map(0..1000);
-        let (mut a, mut b) = (base.clone(), base.clone());
-        for k in 0..70 {
-            a.insert(500 + k * 2 + 1, Arc::new(1));
-        }
-        for k in 0..48 {
-            b.remove(&k);
-        }
-        b.insert(5000, Arc::new(2));
-        let plain = |m: &SharedMap<u32, u32>| -> BTreeMap<u32, u32> {
-            m.iter().map(|(k, v)| (*k, **v)).collect()
-        };
-        let (pa, pb) = (plain(&a), plain(&b));
-        check(&a, &pa);
-        check(&b, &pb);
-        let keys: std::collections::BTreeSet<u32> = pa.keys().chain(pb.keys()).copied().collect();
-        let want: Vec<(u32, Option<u32>)> = keys
-            .into_iter()
-            .filter(|k| pa.get(k) != pb.get(k))
-            .map(|k| (k, pb.get(&k).copied()))
-            .collect();
-        let mut got = Vec::new();
-        SharedMap::diff(&a, &b, |k, v| got.push((*k, v.map(|v| **v))));
-        assert_eq!(got, want);
-        let rebuilt = SharedMap::from_map(b.iter().map(|(k, v)| (*k, v.clone())).collect());
-        assert_eq!(rebuilt, b);
-        let id = a.id();
-        assert!(a.remove(&999_999).is_none());
-        assert!(id.is(&a), "removing a missing key changes nothing");
-        for op in 0..4 {
-            let id = a.id();
-            match op {
-                0 => {
-                    a.insert(0, Arc::new(9));
-                }
-                1 => {
-                    a.remove(&0);
-                }
-                2 => {
-                    *a.get_mut(&1).expect("key 1") = Arc::new(7);
-                }
-                _ => a.clear(),
-            }
-            assert!(!id.is(&a), "op {op} kept the identity");
-        }
-    }
-
-    /// Any two versions from a pool that grew by random changes from one
-    /// another (ancestors, siblings, cousins; splits, dropped chunks, new
-    /// first keys; rebuilt whole, cleared, every record replaced) diff
-    /// exactly against plain maps, both ways, and a one-key change reads
-    /// no more than its own chunks.
-    #[test]
-    fn any_two_related_versions_diff_exactly() {
-        let mut x: u32 = 7;
-        let mut next = move || {
-            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            x >> 8
-        };
-        let start = map(0..600);
-        let plain_of = |m: &SharedMap<u32, u32>| -> BTreeMap<u32, u32> {
-            m.iter().map(|(k, v)| (*k, **v)).collect()
-        };
-        let mut pool = vec![start.clone()];
-        for round in 0..400 {
-            let mut m = pool[next() as usize % pool.len()].clone();
-            let mut plain = plain_of(&m);
-            match next() % 16 {
-                // Rebuilt whole (as read back): shares no chunk.
-                0 => m = SharedMap::from_map(m.iter().map(|(k, v)| (*k, v.clone())).collect()),
-                1 => {
-                    m.clear();
-                    plain.clear();
-                }
-                // Every record replaced: every chunk copied.
-                2 => {
-                    for v in m.values_mut() {
-                        *v = Arc::new(**v + 1);
-                    }
-                    plain.values_mut().for_each(|v| *v += 1);
-                }
-                _ => {}
-            }
-            let span = [700, 60, 5][round % 3];
-            let base = next() % 700;
-            for _ in 0..(1 + next() % 40) {
-                let k = base + next() % span;
-                match next() % 3 {
-                    0 => {
-                        m.remove(&k);
-                        plain.remove(&k);
-                    }
-                    1 => {
-                        let v = next() % 4;
-                        m.insert(k, Arc::new(v));
-                        plain.insert(k, v);
-                    }
-                    _ => {
-                        if let Some(v) = m.get_mut(&k) {
-                            let n = next() % 4;
-                            *v = Arc::new(n);
-                            plain.insert(k, n);
-                        }
-                    }
-                }
-            }
-            check(&m, &plain);
-            // Only the chunks a change touched are read: with one key
-            // changed, at most the two halves of a split.
-            let mut one = m.clone();
-            one.insert(next() % 700, Arc::new(9));
-            assert!(
-                dirty_entries(&one, &m).len() <= 2 * CHUNK_MAX,
-                "round {round}"
-            );
-            if pool.len() < 12 {
-                pool.push(m);
-            } else {
-                let i = next() as usize % pool.len();
-                pool[i] = m;
-            }
-            let (a, b) = (
-                &pool[next() as usize % pool.len()],
-                &pool[next() as usize % pool.len()],
-            );
-            for (from, to) in [(a, b), (b, a)] {
-                let (pf, pt) = (plain_of(from), plain_of(to));
-                let keys: std::collections::BTreeSet<u32> =
-                    pf.keys().chain(pt.keys()).copied().collect();
-                let want: Vec<(u32, Option<u32>)> = keys
-                    .into_iter()
-                    .filter(|k| pf.get(k) != pt.get(k))
-                    .map(|k| (k, pt.get(&k).copied()))
-                    .collect();
-                let mut got = Vec::new();
-                SharedMap::diff(from, to, |k, v| got.push((*k, v.map(|v| **v))));
-                assert_eq!(got, want, "round {round}");
-            }
-        }
-    }
-}
+mod tests;
