@@ -47,15 +47,40 @@ fn check(m: &SharedMap<u32, u32>, want: &BTreeMap<u32, u32>) {
     }
 }
 
+/// A fixed sequence of pseudo-random numbers from `seed`.
+fn numbers(seed: u32) -> impl FnMut() -> u32 {
+    let mut x = seed;
+    move || {
+        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+        x >> 8
+    }
+}
+
+/// The differences from `from` to `to` as `SharedMap::diff` reports them
+/// (in key order; the new value, None when removed), found on plain maps.
+fn plain_diff(from: &BTreeMap<u32, u32>, to: &BTreeMap<u32, u32>) -> Vec<(u32, Option<u32>)> {
+    let keys: std::collections::BTreeSet<u32> = from.keys().chain(to.keys()).copied().collect();
+    keys.into_iter()
+        .filter(|k| from.get(k) != to.get(k))
+        .map(|k| (k, to.get(&k).copied()))
+        .collect()
+}
+
+/// What `SharedMap::diff` reports from `from` to `to`.
+fn diff_of(from: &SharedMap<u32, u32>, to: &SharedMap<u32, u32>) -> Vec<(u32, Option<u32>)> {
+    let mut got = Vec::new();
+    SharedMap::diff(from, to, |k, v| got.push((*k, v.map(|v| **v))));
+    got
+}
+
 /// Inserts and removes in a scrambled order against a BTreeMap.
 #[test]
 fn behaves_as_an_ordered_map() {
     let mut m = SharedMap::default();
     let mut want = BTreeMap::new();
-    let mut x: u32 = 7;
+    let mut next = numbers(7);
     for i in 0..5000u32 {
-        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        let k = (x >> 8) % 3000;
+        let k = next() % 3000;
         if i % 3 == 2 {
             assert_eq!(m.remove(&k).map(|v| *v), want.remove(&k));
         } else {
@@ -133,11 +158,7 @@ fn a_change_copies_one_chunk_and_diffs_exactly() {
 /// exactly what a plain map comparison finds.
 #[test]
 fn diffs_across_splits_and_dropped_chunks_are_exact() {
-    let mut x: u32 = 99;
-    let mut next = move || {
-        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        x >> 8
-    };
+    let mut next = numbers(99);
     let mut cur = map(0..2000);
     let mut plain: BTreeMap<u32, u32> = (0..2000).map(|k| (k, k * 10)).collect();
     for round in 0..200 {
@@ -194,15 +215,7 @@ fn siblings_diff_exactly_and_every_change_gets_a_new_id() {
     let (pa, pb) = (plain(&a), plain(&b));
     check(&a, &pa);
     check(&b, &pb);
-    let keys: std::collections::BTreeSet<u32> = pa.keys().chain(pb.keys()).copied().collect();
-    let want: Vec<(u32, Option<u32>)> = keys
-        .into_iter()
-        .filter(|k| pa.get(k) != pb.get(k))
-        .map(|k| (k, pb.get(&k).copied()))
-        .collect();
-    let mut got = Vec::new();
-    SharedMap::diff(&a, &b, |k, v| got.push((*k, v.map(|v| **v))));
-    assert_eq!(got, want);
+    assert_eq!(diff_of(&a, &b), plain_diff(&pa, &pb));
     let rebuilt = SharedMap::from_map(b.iter().map(|(k, v)| (*k, v.clone())).collect());
     assert_eq!(rebuilt, b);
     let id = a.id();
@@ -232,11 +245,7 @@ fn siblings_diff_exactly_and_every_change_gets_a_new_id() {
 /// ends empty.
 #[test]
 fn groups_dropped_and_split_diff_exactly() {
-    let mut x: u32 = 3;
-    let mut next = move || {
-        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        x >> 8
-    };
+    let mut next = numbers(3);
     let mut cur = map(1000..5000);
     let mut plain: BTreeMap<u32, u32> = (1000..5000).map(|k| (k, k * 10)).collect();
     assert!(cur.groups.len() > 4, "{} groups", cur.groups.len());
@@ -254,16 +263,7 @@ fn groups_dropped_and_split_diff_exactly() {
             }
         }
         check(cur, plain);
-        let mut got = Vec::new();
-        SharedMap::diff(&before, cur, |k, v| got.push((*k, v.map(|v| **v))));
-        let keys: std::collections::BTreeSet<u32> =
-            before_plain.keys().chain(plain.keys()).copied().collect();
-        let want: Vec<(u32, Option<u32>)> = keys
-            .into_iter()
-            .filter(|k| before_plain.get(k) != plain.get(k))
-            .map(|k| (k, plain.get(&k).copied()))
-            .collect();
-        assert_eq!(got, want);
+        assert_eq!(diff_of(&before, cur), plain_diff(&before_plain, plain));
     };
     // The middle, scrambled, 400 at a time: whole groups go.
     let mut middle: Vec<u32> = (1500..4500).collect();
@@ -300,11 +300,7 @@ fn groups_dropped_and_split_diff_exactly() {
 /// no more than its own chunks.
 #[test]
 fn any_two_related_versions_diff_exactly() {
-    let mut x: u32 = 7;
-    let mut next = move || {
-        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        x >> 8
-    };
+    let mut next = numbers(7);
     let start = map(0..600);
     let plain_of = |m: &SharedMap<u32, u32>| -> BTreeMap<u32, u32> {
         m.iter().map(|(k, v)| (*k, **v)).collect()
@@ -373,15 +369,7 @@ fn any_two_related_versions_diff_exactly() {
         );
         for (from, to) in [(a, b), (b, a)] {
             let (pf, pt) = (plain_of(from), plain_of(to));
-            let keys: std::collections::BTreeSet<u32> =
-                pf.keys().chain(pt.keys()).copied().collect();
-            let want: Vec<(u32, Option<u32>)> = keys
-                .into_iter()
-                .filter(|k| pf.get(k) != pt.get(k))
-                .map(|k| (k, pt.get(&k).copied()))
-                .collect();
-            let mut got = Vec::new();
-            SharedMap::diff(from, to, |k, v| got.push((*k, v.map(|v| **v))));
+            let (got, want) = (diff_of(from, to), plain_diff(&pf, &pt));
             assert_eq!(got, want, "round {round}");
         }
     }
