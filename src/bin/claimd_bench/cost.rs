@@ -5,6 +5,7 @@
 //! writes and CSI calls (its metrics).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use claimd::api::ApiClient;
 use serde_json::{json, Value};
@@ -16,7 +17,34 @@ pub struct Probe {
     agent_cpu: f64,
     plugin_cpu: f64,
     client_cpu: f64,
+    /// The plugin's fsync(2) calls so far (its call log's last end line).
+    plugin_fsyncs: f64,
     metrics: String,
+}
+
+/// The `fsyncs` of the last end line of process `pid` in the plugin's
+/// call log (0 when there is none): read from the file's tail, since the
+/// log grows by a line per call.
+fn plugin_fsyncs(call_log: &Path, pid: u32) -> f64 {
+    use std::io::{Read, Seek, SeekFrom};
+    const TAIL: u64 = 256 * 1024;
+    let Ok(mut f) = std::fs::File::open(call_log) else {
+        return 0.0;
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut tail = Vec::new();
+    if f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).is_err()
+        || f.read_to_end(&mut tail).is_err()
+    {
+        return 0.0;
+    }
+    String::from_utf8_lossy(&tail)
+        .lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "end" && v["pid"] == pid && v["fsyncs"].is_u64())
+        .and_then(|v| v["fsyncs"].as_f64())
+        .unwrap_or(0.0)
 }
 
 /// CPU seconds of this process (every thread), from getrusage(2).
@@ -96,7 +124,7 @@ fn csi_by_method(text: &str) -> BTreeMap<String, (f64, f64)> {
 }
 
 impl Probe {
-    pub fn take(c: &ApiClient, agent_pid: u32, plugin_pid: u32) -> Probe {
+    pub fn take(c: &ApiClient, agent_pid: u32, plugin_pid: u32, call_log: &Path) -> Probe {
         let metrics = metrics_text(c);
         let agent_cpu = match sample(&metrics, "process_cpu_seconds_total") {
             v if v > 0.0 => v,
@@ -106,6 +134,7 @@ impl Probe {
             agent_cpu,
             plugin_cpu: proc_cpu(plugin_pid),
             client_cpu: self_cpu(),
+            plugin_fsyncs: plugin_fsyncs(call_log, plugin_pid),
             metrics,
         }
     }
@@ -118,6 +147,7 @@ pub struct Cost {
     agent_cpu: f64,
     plugin_cpu: f64,
     client_cpu: f64,
+    plugin_fsyncs: f64,
     commit_wait: (f64, f64),
     write: (f64, f64),
     changes_written: f64,
@@ -131,6 +161,7 @@ impl Cost {
         self.agent_cpu += b.agent_cpu - a.agent_cpu;
         self.plugin_cpu += b.plugin_cpu - a.plugin_cpu;
         self.client_cpu += b.client_cpu - a.client_cpu;
+        self.plugin_fsyncs += b.plugin_fsyncs - a.plugin_fsyncs;
         let d = |name: &str| sample(&b.metrics, name) - sample(&a.metrics, name);
         self.commit_wait.0 += d("claimd_state_commit_wait_seconds_sum");
         self.commit_wait.1 += d("claimd_state_commit_wait_seconds_count");
@@ -162,6 +193,11 @@ impl Cost {
         self.per_op_ms(self.client_cpu)
     }
 
+    /// The plugin's own fsync(2) calls per operation.
+    pub fn plugin_fsyncs_per_op(&self) -> f64 {
+        self.plugin_fsyncs / self.ops.max(1) as f64
+    }
+
     /// Agent, plugin and client CPU per operation, ms.
     pub fn total_cpu_ms(&self) -> f64 {
         self.agent_cpu_ms() + self.plugin_cpu_ms() + self.client_cpu_ms()
@@ -191,6 +227,7 @@ impl Cost {
             "agent_cpu_ms_per_op": self.agent_cpu_ms(),
             "plugin_cpu_ms_per_op": self.plugin_cpu_ms(),
             "client_cpu_ms_per_op": self.client_cpu_ms(),
+            "plugin_fsyncs_per_op": self.plugin_fsyncs_per_op(),
             "commit_wait_ms_mean": self.commit_wait_ms(),
             "commit_waits_per_op": self.commit_wait.1 / self.ops.max(1) as f64,
             "state_write_ms_mean": self.write_ms(),

@@ -305,7 +305,7 @@ fn main() {
                 cost::Cost::default(),
                 cost::Cost::default(),
             );
-            let probe = || cost::Probe::take(&c, agent.pid(), plugin_pid);
+            let probe = || cost::Probe::take(&c, agent.pid(), plugin_pid, &setup.call_log);
             let zero = w::GetStatsResponse::new();
             let (mut mount_stats, mut rel_stats) = (zero.clone(), zero.clone());
             let add = |acc: &mut w::GetStatsResponse,
@@ -444,6 +444,16 @@ fn main() {
                     format!("{label}: CPU per release"),
                     cost::cpu_row(&c_rel, &c_bare_rel),
                 ));
+                table.push((
+                    format!("{label}: the plugin's own fsyncs per mount / release, agent vs bare"),
+                    format!(
+                        "{:.2} / {:.2} vs {:.2} / {:.2}",
+                        c_mount.plugin_fsyncs_per_op(),
+                        c_rel.plugin_fsyncs_per_op(),
+                        c_bare_mount.plugin_fsyncs_per_op(),
+                        c_bare_rel.plugin_fsyncs_per_op()
+                    ),
+                ));
                 bare_cpu.insert(
                     label,
                     (c_bare_mount.total_cpu_ms(), c_bare_rel.total_cpu_ms()),
@@ -477,14 +487,18 @@ fn main() {
         // and one durable state write (journal line plus fdatasync, from
         // the agent's own histogram).
         let n = 200;
-        let p0 = cost::Probe::take(&c, agent.pid(), plugin_pid);
+        let p0 = cost::Probe::take(&c, agent.pid(), plugin_pid, &setup.call_log);
         let started = Instant::now();
         for _ in 0..n {
             stats(&c);
         }
         let request_ms = started.elapsed().as_secs_f64() * 1000.0 / n as f64;
         let mut request_cost = cost::Cost::default();
-        request_cost.add(&p0, &cost::Probe::take(&c, agent.pid(), plugin_pid), n);
+        request_cost.add(
+            &p0,
+            &cost::Probe::take(&c, agent.pid(), plugin_pid, &setup.call_log),
+            n,
+        );
         let request_cpu_ms = request_cost.agent_cpu_ms() + request_cost.client_cpu_ms();
         let metrics = metrics_text(&c);
         let sample = |name: &str| {

@@ -25,6 +25,10 @@
 //! - `method`; `code` (end lines only): `"OK"`, a canonical gRPC code name,
 //!   or `"EXIT"` for an `exit` fault; `late`: true when a `late` fault held
 //!   the call past the caller's deadline.
+//! - `fsyncs` (end lines only): the fsync(2) calls the process made until
+//!   the line was written (its controller state and fences), counting from
+//!   its start: a bench's difference of two lines is the plugin's own
+//!   durable writes between them.
 //! - What the request named, when the method has it: `volume_id`,
 //!   `node_id`, `staging_target_path`, `target_path`, `readonly`,
 //!   `access_mode`, `publish_context`, `volume_context`, `secret_keys`,
@@ -98,6 +102,10 @@ pub struct CallRecord {
     /// did its work: the caller saw DEADLINE_EXCEEDED, whatever `code` says.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub late: bool,
+    /// End lines: the fsync(2) calls this process made until then
+    /// (controller state, fences), counting from its start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsyncs: Option<u64>,
 }
 
 /// Appends records to the call log file.

@@ -152,6 +152,8 @@ CALL LOG (JSON lines, one write(2) each, O_APPEND):
     ts_ms             wall clock (ms since the epoch) when the line was written
     method, code      the RPC; \"OK\", a gRPC code name or \"EXIT\" (end lines only)
     late              true when a late fault held the call past its deadline
+    fsyncs            fsync(2) calls of the process so far (its controller state,
+                      fences), on end lines
     volume_id, node_id, staging_target_path, target_path, readonly, access_mode,
     publish_context, volume_context, secret_keys (names only), mount_group,
     required_bytes, snapshot, topology: what the request had

@@ -336,7 +336,7 @@ impl Fencing {
 /// fsync of a directory: a rename or removal in it is durable.
 fn sync_dir(dir: &Path) -> Result<(), String> {
     fs::File::open(dir)
-        .and_then(|d| d.sync_all())
+        .and_then(|d| crate::files::sync(&d))
         .map_err(|e| format!("cannot sync {}: {e}", dir.display()))
 }
 

@@ -356,6 +356,7 @@ impl Plugin {
         if record.event != START {
             record.event = END;
             record.end_boottime_ns = Some(boottime_ns());
+            record.fsyncs = Some(crate::files::fsyncs());
         }
         if let Some(log) = &self.call_log {
             record.ts_ms = now_ms();

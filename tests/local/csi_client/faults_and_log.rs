@@ -545,6 +545,7 @@ fn the_plugin_rejects_bad_flags_and_documents_good_ones() {
         "end_boottime_ns",
         "call_id",
         "late",
+        "fsyncs",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
@@ -633,6 +634,52 @@ fn the_call_log_has_start_and_end_lines_on_one_machine_wide_clock() {
     let stamp = |k: &str| lines[0][k].as_u64().expect("a stamp");
     assert!(stamp("end_boottime_ns") >= stamp("start_boottime_ns"));
     assert!(plugin.call_log().open_calls().is_empty());
+}
+
+/// End lines carry the plugin's fsync(2) count so far: a ControllerPublish
+/// that attaches makes the controller state durable (at least one more), a
+/// call that writes nothing adds none, and a repeated publish (nothing to
+/// change) adds none either; start lines carry no count.
+#[test]
+fn the_call_log_counts_the_plugins_fsyncs_on_end_lines() {
+    let dir = TestDir::new();
+    let plugin = TestPlugin::builder(dir.path())
+        .known_nodes(&[NODE])
+        .volumes(&["v"])
+        .log_starts()
+        .start();
+    let c = plugin.client();
+    c.probe().expect("Probe");
+    let req = controller_publish("v", NODE, Mode::SINGLE_NODE_WRITER);
+    c.controller_publish_volume(&req).expect("publish");
+    c.probe().expect("Probe");
+    c.controller_publish_volume(&req).expect("publish again");
+    c.probe().expect("Probe");
+
+    let log = plugin.call_log();
+    let counts: Vec<u64> = log
+        .calls()
+        .iter()
+        .map(|l| {
+            l["fsyncs"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no count: {l}"))
+        })
+        .collect();
+    assert_eq!(counts.len(), 5, "{counts:?}");
+    assert!(
+        counts[1] > counts[0],
+        "the publish made nothing durable: {counts:?}"
+    );
+    assert_eq!(counts[2], counts[1], "a probe counted an fsync: {counts:?}");
+    assert_eq!(
+        counts[3], counts[2],
+        "the repeated publish wrote: {counts:?}"
+    );
+    assert_eq!(counts[4], counts[3], "{counts:?}");
+    for start in log.starts() {
+        assert_eq!(start["fsyncs"], serde_json::Value::Null, "{start}");
+    }
 }
 
 #[test]
