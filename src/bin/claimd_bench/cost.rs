@@ -17,34 +17,29 @@ pub struct Probe {
     agent_cpu: f64,
     plugin_cpu: f64,
     client_cpu: f64,
-    /// The plugin's fsync(2) calls so far (its call log's last end line).
-    plugin_fsyncs: f64,
+    /// The plugin's fsync(2) calls so far (its call log's last end line);
+    /// None when the log could not be read or had no count.
+    plugin_fsyncs: Option<f64>,
     metrics: String,
 }
 
 /// The `fsyncs` of the last end line of process `pid` in the plugin's
-/// call log (0 when there is none): read from the file's tail, since the
-/// log grows by a line per call.
-fn plugin_fsyncs(call_log: &Path, pid: u32) -> f64 {
+/// call log, read from the file's tail (the log grows by a line per call);
+/// None when the log cannot be read or its tail has no such line.
+fn plugin_fsyncs(call_log: &Path, pid: u32) -> Option<f64> {
     use std::io::{Read, Seek, SeekFrom};
     const TAIL: u64 = 256 * 1024;
-    let Ok(mut f) = std::fs::File::open(call_log) else {
-        return 0.0;
-    };
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut f = std::fs::File::open(call_log).ok()?;
+    let len = f.metadata().ok()?.len();
     let mut tail = Vec::new();
-    if f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).is_err()
-        || f.read_to_end(&mut tail).is_err()
-    {
-        return 0.0;
-    }
+    f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).ok()?;
+    f.read_to_end(&mut tail).ok()?;
     String::from_utf8_lossy(&tail)
         .lines()
         .rev()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .find(|v| v["event"] == "end" && v["pid"] == pid && v["fsyncs"].is_u64())
         .and_then(|v| v["fsyncs"].as_f64())
-        .unwrap_or(0.0)
 }
 
 /// CPU seconds of this process (every thread), from getrusage(2).
@@ -148,6 +143,8 @@ pub struct Cost {
     plugin_cpu: f64,
     client_cpu: f64,
     plugin_fsyncs: f64,
+    /// A probe could not read the plugin's count.
+    plugin_fsyncs_unread: bool,
     commit_wait: (f64, f64),
     write: (f64, f64),
     changes_written: f64,
@@ -161,7 +158,10 @@ impl Cost {
         self.agent_cpu += b.agent_cpu - a.agent_cpu;
         self.plugin_cpu += b.plugin_cpu - a.plugin_cpu;
         self.client_cpu += b.client_cpu - a.client_cpu;
-        self.plugin_fsyncs += b.plugin_fsyncs - a.plugin_fsyncs;
+        match (a.plugin_fsyncs, b.plugin_fsyncs) {
+            (Some(a), Some(b)) => self.plugin_fsyncs += b - a,
+            _ => self.plugin_fsyncs_unread = true,
+        }
         let d = |name: &str| sample(&b.metrics, name) - sample(&a.metrics, name);
         self.commit_wait.0 += d("claimd_state_commit_wait_seconds_sum");
         self.commit_wait.1 += d("claimd_state_commit_wait_seconds_count");
@@ -193,9 +193,10 @@ impl Cost {
         self.per_op_ms(self.client_cpu)
     }
 
-    /// The plugin's own fsync(2) calls per operation.
-    pub fn plugin_fsyncs_per_op(&self) -> f64 {
-        self.plugin_fsyncs / self.ops.max(1) as f64
+    /// The plugin's own fsync(2) calls per operation (None when a probe
+    /// could not read them).
+    pub fn plugin_fsyncs_per_op(&self) -> Option<f64> {
+        (!self.plugin_fsyncs_unread).then(|| self.plugin_fsyncs / self.ops.max(1) as f64)
     }
 
     /// Agent, plugin and client CPU per operation, ms.
@@ -266,4 +267,60 @@ pub fn agent_row(agent: &Cost, plugin_ms: f64) -> String {
         agent.csi_ms(),
         plugin_ms,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plugins_fsyncs_come_from_its_own_last_end_line_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("claimd-bench-cost-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let log = dir.join("calls.jsonl");
+        assert_eq!(plugin_fsyncs(&log, 7), None, "no file");
+        std::fs::write(
+            &log,
+            concat!(
+                r#"{"event":"end","pid":7,"method":"Probe","fsyncs":3}"#,
+                "\n",
+                r#"{"event":"end","pid":7,"method":"ControllerPublishVolume","fsyncs":5}"#,
+                "\n",
+                r#"{"event":"start","pid":7,"method":"Probe"}"#,
+                "\n",
+                r#"{"event":"end","pid":8,"method":"Probe","fsyncs":40}"#,
+                "\n",
+                "not json\n",
+            ),
+        )
+        .expect("write");
+        assert_eq!(plugin_fsyncs(&log, 7), Some(5.0));
+        assert_eq!(plugin_fsyncs(&log, 8), Some(40.0));
+        assert_eq!(plugin_fsyncs(&log, 9), None, "no line of that process");
+        std::fs::write(&log, "{\"event\":\"end\",\"pid\":7,\"method\":\"Probe\"}\n")
+            .expect("write");
+        assert_eq!(
+            plugin_fsyncs(&log, 7),
+            None,
+            "a plugin that writes no count"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn fsyncs_per_operation_are_unread_once_a_probe_missed_them() {
+        let probe = |fsyncs: Option<f64>| Probe {
+            agent_cpu: 0.0,
+            plugin_cpu: 0.0,
+            client_cpu: 0.0,
+            plugin_fsyncs: fsyncs,
+            metrics: String::new(),
+        };
+        let mut c = Cost::default();
+        c.add(&probe(Some(10.0)), &probe(Some(14.0)), 8);
+        c.add(&probe(Some(20.0)), &probe(Some(22.0)), 4);
+        assert_eq!(c.plugin_fsyncs_per_op(), Some(0.5));
+        c.add(&probe(Some(30.0)), &probe(None), 4);
+        assert_eq!(c.plugin_fsyncs_per_op(), None);
+    }
 }

@@ -446,13 +446,21 @@ fn main() {
                 ));
                 table.push((
                     format!("{label}: the plugin's own fsyncs per mount / release, agent vs bare"),
-                    format!(
-                        "{:.2} / {:.2} vs {:.2} / {:.2}",
-                        c_mount.plugin_fsyncs_per_op(),
-                        c_rel.plugin_fsyncs_per_op(),
-                        c_bare_mount.plugin_fsyncs_per_op(),
-                        c_bare_rel.plugin_fsyncs_per_op()
-                    ),
+                    {
+                        let f = |c: &cost::Cost| {
+                            c.plugin_fsyncs_per_op().map_or_else(
+                                || "unread (the call log had no count)".to_string(),
+                                |n| format!("{n:.2}"),
+                            )
+                        };
+                        format!(
+                            "{} / {} vs {} / {}",
+                            f(&c_mount),
+                            f(&c_rel),
+                            f(&c_bare_mount),
+                            f(&c_bare_rel)
+                        )
+                    },
                 ));
                 bare_cpu.insert(
                     label,
